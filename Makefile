@@ -1,0 +1,30 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install requirements.txt (pinned, CPU torch) the first time.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup demo test test-fast lint format
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup  ## the whole pipeline on the embedded demo, on a CPU
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipeline.sh
+
+test: setup  ## every test, slow ones included (what CI runs)
+	$(PY) -m pytest
+
+test-fast: setup  ## skip the end-to-end script runs
+	$(PY) -m pytest -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .

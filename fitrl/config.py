@@ -1,0 +1,231 @@
+"""Typed configs filled from `configs/<profile>/<stage>.yaml` and CLI flags, with one-line errors.
+
+Every stage declares dataclasses whose fields carry a `help` string. `parse_config` fills them with
+trl's `TrlParser` (YAML file via `--config`, then CLI flags on top), checks every value's type and
+range, and turns any problem into a `UsageError`: `main()` wrappers print it as one line and exit 2,
+before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+RUN_CONFIG_NAME = "run_config.yaml"
+RUN_INFO_NAME = "run_info.json"
+EXIT_USAGE = 2
+
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """Bad input a user can fix: printed as one line, exit code 2."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception as one line for the user: its first non-empty line, or its type's name."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def check(condition: bool, key: str, allowed: str) -> None:
+    """Raise a `UsageError` naming `key` and what it allows unless `condition` holds."""
+    if not condition:
+        raise UsageError(f"invalid value for '{key}': must be {allowed}")
+
+
+def one_of(value: Any, key: str, choices: Iterable[Any]) -> None:
+    choices = tuple(choices)
+    check(value in choices, key, "one of " + ", ".join(map(str, choices)) + f" (got {value!r})")
+
+
+def _import_trl_parser() -> type:
+    from trl import TrlParser
+
+    class _Parser(TrlParser):
+        # argparse prints usage and exits on its own; we want one line and our own exit path.
+        def error(self, message: str) -> typing.NoReturn:
+            raise UsageError(message)
+
+    return _Parser
+
+
+def _allowed_types(annotation: Any) -> tuple[tuple[type, ...], tuple[Any, ...] | None]:
+    """The runtime types (and Literal choices) an annotation admits; empty tuple means 'do not check'."""
+    if isinstance(annotation, str):
+        return (), None
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return (), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        allowed: list[type] = []
+        for arg in typing.get_args(annotation):
+            sub, choices = _allowed_types(arg)
+            if not sub and arg is not type(None):
+                return (), choices
+            allowed.extend(sub)
+        return tuple(allowed), None
+    if annotation is type(None):
+        return (type(None),), None
+    if origin is list:
+        return (list,), None
+    if annotation is float:
+        return (float, int), None
+    if annotation in (int, str, bool):
+        return (annotation,), None
+    return (), None
+
+
+def _check_types(obj: Any) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        allowed, choices = _allowed_types(hints.get(f.name, Any))
+        if choices is not None:
+            one_of(value, f.name, choices)
+            continue
+        if not allowed:
+            continue
+        # bool is an int in Python; a YAML `true` for an int field is still a mistake.
+        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
+        if not ok:
+            names = " or ".join(sorted({"null" if t is type(None) else t.__name__ for t in allowed}))
+            raise UsageError(f"invalid value for '{f.name}': must be {names} (got {value!r})")
+
+
+def parse_config(dataclass_types: Sequence[type], args: Sequence[str] | None = None) -> tuple[Any, ...]:
+    """Fill `dataclass_types` from `--config FILE.yaml` and CLI flags; raise `UsageError` on any problem."""
+    parser = _import_trl_parser()(dataclass_types)
+    args = list(sys.argv[1:] if args is None else args)
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise UsageError("--config needs a path to a YAML file, e.g. --config configs/demo/sft.yaml")
+        path = Path(args[i + 1])
+        if not path.is_file():
+            raise UsageError(f"config file not found: {path}")
+        try:
+            content = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise UsageError(f"config file {path} is not valid YAML: {first_line(e)}") from None
+        if not isinstance(content, dict):
+            raise UsageError(f"config file {path} must hold a mapping of key: value")
+        known = {f.name for t in dataclass_types for f in dataclasses.fields(t) if f.init}
+        unknown = sorted(set(content) - known - {"env"})
+        if unknown:
+            raise UsageError(
+                f"unknown key '{unknown[0]}' in {path}; run the script with --help to list the keys it takes"
+            )
+    try:
+        parsed = parser.parse_args_and_config(args)
+    except UsageError:
+        raise
+    except (ValueError, TypeError) as e:  # __post_init__ checks and HfArgumentParser's own errors
+        message = first_line(e)
+        if "not used by the HfArgumentParser" in message:
+            message = f"unknown flag(s) {message.split(':', 1)[1].strip()}; run with --help to list them"
+        raise UsageError(message) from None
+    for obj in parsed:
+        _check_types(obj)
+        validate = getattr(obj, "validate", None)
+        if validate is not None:
+            validate()
+    return tuple(parsed)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "value") and not isinstance(value, (int, float, str, bool)):  # enums
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def config_dict(*configs: Any) -> dict[str, Any]:
+    """One flat mapping of every init field: the same shape `--config` reads back."""
+    out: dict[str, Any] = {}
+    for cfg in configs:
+        for f in dataclasses.fields(cfg):
+            if f.init:
+                out[f.name] = _plain(getattr(cfg, f.name))
+    return out
+
+
+def save_run_config(output_dir: str | Path, *configs: Any) -> Path:
+    """Write the resolved settings as `run_config.yaml`, readable back with `--config`."""
+    path = Path(output_dir) / RUN_CONFIG_NAME
+    path.write_text(yaml.safe_dump(config_dict(*configs), sort_keys=False))
+    return path
+
+
+def save_run_info(output_dir: str | Path, info: dict[str, Any]) -> Path:
+    """Write what the run found or measured (paths, sizes, digests, timings) as `run_info.json`."""
+    path = Path(output_dir) / RUN_INFO_NAME
+    path.write_text(json.dumps({k: _plain(v) for k, v in info.items()}, indent=2) + "\n")
+    return path
+
+
+def load_run_info(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / RUN_INFO_NAME
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_run_config(directory: str | Path) -> dict[str, Any]:
+    """Read the `run_config.yaml` a previous stage wrote into `directory` ({} when there is none)."""
+    path = Path(directory) / RUN_CONFIG_NAME
+    if not path.is_file():
+        return {}
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
+    """Wrap a script's `main` so a `UsageError` prints one line on stderr and exits with code 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return main(*args, **kwargs)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+
+    return wrapper
+
+
+def help_field(default: Any, help: str, **metadata: Any) -> Any:
+    """A dataclass field with a help string (lists and dicts get a default_factory)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+
+
+__all__ = [
+    "EXIT_USAGE",
+    "RUN_CONFIG_NAME",
+    "RUN_INFO_NAME",
+    "UsageError",
+    "check",
+    "config_dict",
+    "entrypoint",
+    "first_line",
+    "help_field",
+    "load_run_config",
+    "load_run_info",
+    "one_of",
+    "parse_config",
+    "save_run_config",
+    "save_run_info",
+]

@@ -1,0 +1,95 @@
+"""Load a dataset from a hub id, local files (jsonl / json / csv / parquet) or the embedded demo.
+
+Every failure a user can fix (missing file, missing column, empty data, no network) becomes one
+`UsageError` line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fitrl.config import UsageError, first_line
+
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+DEMO_DATASETS = {"demo://reviews": "reviews", "demo://arithmetic": "arithmetic"}
+
+
+def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_FORMATS)
+        matching = [p for p in files if p.stem == split] or files
+        if not matching:
+            raise UsageError(f"no .jsonl/.json/.csv/.parquet files in {path}")
+        files = matching
+    else:
+        if path.suffix not in LOCAL_FORMATS:
+            raise UsageError(f"unsupported data file {path}; use .jsonl, .json, .csv or .parquet")
+        files = [path]
+    if all(p.stat().st_size == 0 for p in files):
+        raise UsageError(f"dataset {path} is empty; give a file with at least one row")
+    formats = {LOCAL_FORMATS[p.suffix] for p in files}
+    if len(formats) > 1:
+        raise UsageError(f"mixed file formats in {path}; keep one format per dataset")
+    return formats.pop(), [str(p) for p in files]
+
+
+def load_dataset_any(
+    source: str, split: str = "train", demo_cache_dir: str = "~/.cache/fitrl/demo", config_name: str | None = None
+) -> Any:
+    """A `datasets.Dataset` for `source`: 'demo://reviews', a local file or directory, or a hub id."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if source in DEMO_DATASETS:
+            from fitrl import demo
+
+            root = demo.build(demo_cache_dir) / DEMO_DATASETS[source]
+            if not (root / f"{split}.jsonl").is_file():
+                raise UsageError(f"demo dataset {source} has no split '{split}'; use train or test")
+            return datasets.load_dataset("json", data_files=str(root / f"{split}.jsonl"), split="train")
+        path = Path(source).expanduser()
+        if path.exists():
+            fmt, files = _local_files(path, split)
+            return datasets.load_dataset(fmt, data_files=files, split="train")
+        if source.startswith((".", "/", "~")) or source.count("/") > 1:
+            raise UsageError(f"dataset path {source} does not exist; give a local file or directory, or a hub id")
+        return datasets.load_dataset(source, config_name, split=split)
+    except UsageError:
+        raise
+    except (FileNotFoundError, ValueError, OSError, ConnectionError) as e:
+        offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise UsageError(f"cannot load dataset {source} split '{split}'{offline}: {first_line(e)}") from None
+    except Exception as e:  # datasets wraps parse errors of corrupt files in its own exception types
+        raise UsageError(f"cannot read dataset {source}: {type(e).__name__}: {first_line(e)}") from None
+
+
+def require_columns(dataset: Any, columns: Sequence[str], source: str) -> None:
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise UsageError(
+            f"dataset {source} has no column '{missing[0]}' (columns: {', '.join(dataset.column_names)}); "
+            "pick the right column in the config"
+        )
+    if len(dataset) == 0:
+        raise UsageError(f"dataset {source} is empty")
+
+
+def load_text_dataset(
+    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
+) -> Any:
+    """A dataset with one non-empty `text` column, for causal-LM training or PPO prompts."""
+    ds = load_dataset_any(source, split, demo_cache_dir)
+    require_columns(ds, [text_column], source)
+    ds = ds.select_columns([text_column])
+    if text_column != "text":
+        ds = ds.rename_column(text_column, "text")
+    ds = ds.filter(lambda r: isinstance(r["text"], str) and len(r["text"].strip()) >= min_chars)
+    if len(ds) == 0:
+        raise UsageError(f"dataset {source} has no text of at least {min_chars} characters in '{text_column}'")
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    return ds

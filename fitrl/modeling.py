@@ -1,0 +1,222 @@
+"""Load a causal LM (hub id or local dir) in full precision, 8-bit or 4-bit, and put LoRA on it.
+
+Every stage loads its model through here, so quantization, dtype, pad token, k-bit preparation and
+LoRA defaults behave the same in SFT, PPO and GRPO.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from fitrl.config import UsageError, check, first_line, help_field
+from fitrl.distributed import process_state
+
+# bitsandbytes on CPU warns once per matmul that fp32 inputs are cast to fp16: expected, and noisy.
+warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")
+
+DEMO_SCHEME = "demo://"
+
+# LoRA targets per architecture when the config names none: the attention projections the
+# original LoRA paper and the peft examples use for each family.
+DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
+    "gpt_neox": ["query_key_value"],
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"],
+    "gemma": ["q_proj", "v_proj"],
+    "gemma2": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj"],
+    "gpt2": ["c_attn"],
+    "opt": ["q_proj", "v_proj"],
+    "gptj": ["q_proj", "v_proj"],
+    "falcon": ["query_key_value"],
+    "bloom": ["query_key_value"],
+}
+
+Quantization = Literal["none", "8bit", "4bit"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelArguments:
+    """Which model to load and how."""
+
+    model_name_or_path: str = help_field(
+        "EleutherAI/gpt-neox-20b", "Hub id or local directory of the model; 'demo://lm' is the embedded tiny model."
+    )
+    quantization: Quantization = help_field(
+        "none", "Load the frozen base weights as 'none' (dtype below), '8bit' or '4bit' (bitsandbytes)."
+    )
+    dtype: DType = help_field(
+        "auto", "Dtype of the non-quantized weights; 'auto' is bfloat16 on a GPU that has it, else float32."
+    )
+    trust_remote_code: bool = help_field(False, "Allow model code from the hub repository to run (off: safer).")
+    demo_cache_dir: str = help_field(
+        "~/.cache/fitrl/demo", "Where the embedded demo assets (demo://...) are built and cached."
+    )
+
+
+@dataclass
+class LoraArguments:
+    """The LoRA adapter put on the frozen base."""
+
+    lora_r: int = help_field(16, "LoRA rank r.")
+    lora_alpha: float = help_field(32, "LoRA alpha: the update is scaled by alpha / r.")
+    lora_dropout: float = help_field(0.05, "Dropout on the LoRA input.")
+    lora_target_modules: list[str] | None = help_field(
+        None,
+        "Module names to adapt; 'all-linear' adapts every linear layer; empty picks a default per architecture "
+        "(query_key_value for GPT-NeoX, q_proj/v_proj for Llama/Qwen/Mistral).",
+    )
+
+    def validate(self) -> None:
+        check(self.lora_r >= 1, "lora_r", "an integer >= 1")
+        check(self.lora_alpha > 0, "lora_alpha", "> 0")
+        check(0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)")
+
+
+def resolve_model_path(name_or_path: str, demo_cache_dir: str, what: str = "model") -> str:
+    """Turn demo:// URIs into paths, check local paths exist, and pass hub ids through."""
+    if name_or_path.startswith(DEMO_SCHEME):
+        from fitrl import demo
+
+        return str(demo.asset_path(name_or_path, demo_cache_dir))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{what} directory {path} has no config.json; point to a saved model directory")
+        return str(path)
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    if looks_like_path or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path):
+        raise UsageError(f"{what} path {name_or_path} does not exist; give a local directory or a hub id")
+    return name_or_path
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _device_map() -> dict[str, Any]:
+    """Each process keeps the whole model on its own device: what DDP and bitsandbytes both expect."""
+    state = process_state()
+    if state.device.type == "cuda":
+        return {"": state.local_process_index}
+    return {"": str(state.device)}
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return None
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right") -> Any:
+    """Load a tokenizer and give it a pad token (the EOS token) when it has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load a tokenizer from {path}: {first_line(e)}") from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise UsageError(f"tokenizer at {path} has neither a pad nor an EOS token; add a pad token to it")
+        tok.pad_token = tok.eos_token
+    tok.padding_side = padding_side
+    return tok
+
+
+def load_causal_lm(
+    args: ModelArguments,
+    *,
+    path: str | None = None,
+    gradient_checkpointing: bool = False,
+    for_training: bool = True,
+    pad_token_id: int | None = None,
+) -> Any:
+    """Load the causal LM `args` names (or `path`), quantized as asked, ready for LoRA training."""
+    from transformers import AutoModelForCausalLM
+
+    path = path or resolve_model_path(args.model_name_or_path, args.demo_cache_dir)
+    dtype = torch_dtype(args.dtype)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
+    qconfig = quantization_config(args.quantization, dtype)
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+        kwargs["device_map"] = _device_map()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except OSError as e:
+        offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise UsageError(f"cannot load model {path}{offline}: {first_line(e)}") from None
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+        if model.generation_config is not None:
+            model.generation_config.pad_token_id = pad_token_id
+    if qconfig is not None and for_training:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts norms and the head to fp32 and makes the input embeddings require grad, so that
+        # gradient checkpointing has something to backpropagate through the frozen k-bit layers.
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if gradient_checkpointing:
+        model.config.use_cache = False
+    return model
+
+
+def lora_config(args: LoraArguments, model_type: str, task_type: str = "CAUSAL_LM") -> Any:
+    """A peft `LoraConfig` from `args`, with the architecture's default targets when none are given."""
+    from peft import LoraConfig
+
+    targets: Any = args.lora_target_modules
+    if not targets:
+        targets = DEFAULT_LORA_TARGETS.get(model_type, "all-linear")
+    elif targets == ["all-linear"]:
+        targets = "all-linear"
+    return LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        bias="none",
+        task_type=task_type,
+    )
+
+
+def add_lora(model: Any, args: LoraArguments) -> Any:
+    """Wrap `model` in a fresh trainable LoRA adapter; a target that matches nothing is a usage error."""
+    from peft import get_peft_model
+
+    config = lora_config(args, model.config.model_type)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:
+        raise UsageError(f"cannot put LoRA on this model: {first_line(e)}") from None

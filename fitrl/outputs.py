@@ -1,0 +1,132 @@
+"""What every stage writes: a staged output directory, `metrics.jsonl` and curve plots.
+
+A stage writes into `.<name>.partial` beside its output directory and renames it into place only
+when everything is written, so a crash or a bad input never leaves a half-written output behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fitrl.config import UsageError
+from fitrl.distributed import process_state
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
+    """Resolve `output_dir` and refuse a non-empty one unless `overwrite`; raise `UsageError` if unusable."""
+    final = Path(output_dir).expanduser().absolute()
+    if final.exists() and not final.is_dir():
+        raise UsageError(f"output directory {final} is a file; choose a directory path")
+    if final.is_dir() and any(final.iterdir()) and not overwrite:
+        raise UsageError(f"output directory {final} is not empty; pass --overwrite_output_dir true or pick another")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        probe = final.parent / f".{final.name}.write-test-{os.getpid()}"
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise UsageError(f"output directory {final} is not writable ({e.strerror}); choose another path") from None
+    return final
+
+
+@contextmanager
+def staged_output_dir(output_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a staging directory that replaces `output_dir` only if the block finishes without error.
+
+    Safe under `accelerate launch`: the main process creates, renames or removes; all ranks wait.
+    """
+    state = process_state()
+    final = check_output_dir(output_dir, overwrite)
+    staging = final.parent / f".{final.name}.partial"
+    if state.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    state.wait_for_everyone()
+    try:
+        yield staging
+    except BaseException:
+        if state.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    state.wait_for_everyone()
+    if state.is_main_process:
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    state.wait_for_everyone()
+
+
+class MetricsLog:
+    """Append one JSON object per line to `metrics.jsonl` (main process only) and keep them in memory."""
+
+    def __init__(self, directory: str | Path, enabled: bool = True):
+        self.path = Path(directory) / METRICS_NAME
+        self.enabled = enabled
+        self.rows: list[dict[str, Any]] = []
+
+    def log(self, row: dict[str, Any]) -> None:
+        row = {k: _json_number(v) for k, v in row.items()}
+        self.rows.append(row)
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def _json_number(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(
+    rows: Sequence[dict[str, Any]], keys: Sequence[str], path: str | Path, title: str, x_key: str = "step"
+) -> Path | None:
+    """Plot each of `keys` against `x_key` in its own panel; keys absent from every row are skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in keys if any(isinstance(r.get(k), (int, float)) for r in rows)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), squeeze=False, sharex=True)
+    for ax, key in zip(axes[:, 0], keys):
+        pts = [(r[x_key], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and x_key in r]
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.2)
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel(x_key)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def metrics_callback(log: MetricsLog) -> Any:
+    """A transformers `TrainerCallback` that streams every Trainer log line into `log`."""
+    from transformers import TrainerCallback
+
+    class _MetricsCallback(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if logs and state.is_world_process_zero:
+                log.log({"step": state.global_step, **logs})
+
+    return _MetricsCallback()

@@ -1,0 +1,60 @@
+"""Shared fixtures: offline mode, one demo build per session, and running scripts as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Never touch a hub from the tests: everything they load is built locally.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo assets, built once per test session into a fresh directory."""
+    from fitrl import demo
+
+    cache = tmp_path_factory.mktemp("demo-cache")
+    demo.build(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def demo_root(demo_cache: Path) -> Path:
+    from fitrl import demo
+
+    return demo.demo_dir(demo_cache)
+
+
+def run_script(*args: str | Path, timeout: int = 600, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run `scripts/<args[0]>` with the rest as CLI arguments, in a subprocess, as a user would."""
+    script, *rest = args
+    cmd = [*(launcher or [sys.executable]), str(ROOT / "scripts" / script), *map(str, rest)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+
+
+def accelerate_launch(num_processes: int) -> list[str]:
+    exe = Path(sys.executable).with_name("accelerate")
+    cmd = [str(exe), "launch", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if num_processes > 1:
+        cmd += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", "29517"]
+    else:
+        cmd += ["--num_processes", "1"]
+    return cmd
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The one line a failed script printed for the user."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, f"expected one 'error:' line, got stderr:\n{result.stderr[-3000:]}"
+    return lines[0]

@@ -1,0 +1,100 @@
+"""Model loading: quantized paths on CPU, LoRA defaults per architecture, pad tokens, bad paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fitrl.config import UsageError
+from fitrl.modeling import (
+    LoraArguments,
+    ModelArguments,
+    add_lora,
+    load_causal_lm,
+    load_tokenizer,
+    lora_config,
+    resolve_model_path,
+)
+
+
+def _args(demo_cache: Path, quantization: str = "8bit") -> ModelArguments:
+    return ModelArguments(
+        model_name_or_path="demo://lm", quantization=quantization, dtype="float32", demo_cache_dir=str(demo_cache)
+    )
+
+
+def test_8bit_base_loads_and_lora_trains_on_cpu(demo_cache: Path) -> None:
+    """The real recipe's code path: int8 frozen base, LoRA + 8-bit AdamW, one update on a CPU."""
+    import bitsandbytes as bnb
+
+    model = load_causal_lm(_args(demo_cache), gradient_checkpointing=True)
+    int8_layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    assert int8_layers and int8_layers[0].weight.dtype == torch.int8
+    model = add_lora(model, LoraArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0))
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert lora_before and all("lora_" in n for n in lora_before)
+
+    opt = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    model.train()
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+
+    after = dict(model.named_parameters())
+    assert any(not torch.equal(after[n], lora_before[n]) for n in lora_before), "LoRA weights did not move"
+    assert all(torch.equal(after[n], base_before[n]) for n in base_before), "a frozen base weight moved"
+    assert all(torch.equal(m.weight, m.weight) and m.weight.dtype == torch.int8 for m in int8_layers)
+
+
+def test_4bit_base_loads_and_runs_on_cpu(demo_cache: Path) -> None:
+    model = load_causal_lm(_args(demo_cache, "4bit"), for_training=False)
+    assert getattr(model, "is_loaded_in_4bit", False)
+    out = model(input_ids=torch.randint(0, model.config.vocab_size, (1, 8)))
+    assert torch.isfinite(out.logits).all()
+
+
+def test_default_lora_targets_per_architecture() -> None:
+    args = LoraArguments()
+    assert lora_config(args, "gpt_neox").target_modules == {"query_key_value"}
+    assert lora_config(args, "llama").target_modules == {"q_proj", "v_proj"}
+    assert lora_config(args, "some_new_arch").target_modules == "all-linear"
+    assert lora_config(LoraArguments(lora_target_modules=["all-linear"]), "llama").target_modules == "all-linear"
+    assert lora_config(LoraArguments(lora_target_modules=["o_proj"]), "llama").target_modules == {"o_proj"}
+
+
+def test_llama_style_model_gets_q_v_lora(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model = load_causal_lm(ModelArguments(model_name_or_path=str(tmp_path), dtype="float32"))
+    peft_model = add_lora(model, LoraArguments(lora_r=2))
+    adapted = {n.split(".")[-4] for n, _ in peft_model.named_parameters() if "lora_A" in n}
+    assert adapted == {"q_proj", "v_proj"}
+
+
+def test_lora_target_that_matches_nothing_is_a_usage_error(demo_cache: Path) -> None:
+    model = load_causal_lm(_args(demo_cache, "none"))
+    with pytest.raises(UsageError, match="cannot put LoRA"):
+        add_lora(model, LoraArguments(lora_target_modules=["no_such_module"]))
+
+
+def test_pad_token_falls_back_to_eos(demo_root: Path) -> None:
+    tok = load_tokenizer(str(demo_root / "lm"))
+    assert tok.pad_token == tok.eos_token == "<|endoftext|>"
+
+
+def test_model_paths_are_checked(tmp_path: Path, demo_cache: Path) -> None:
+    assert resolve_model_path("EleutherAI/gpt-neox-20b", str(demo_cache)) == "EleutherAI/gpt-neox-20b"
+    with pytest.raises(UsageError, match="does not exist"):
+        resolve_model_path("./no/such/model", str(demo_cache))
+    with pytest.raises(UsageError, match="has no config.json"):
+        resolve_model_path(str(tmp_path), str(demo_cache))
+
+
+def test_uncached_hub_model_offline_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot load model"):
+        load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model", demo_cache_dir=str(tmp_path)))

@@ -1,0 +1,144 @@
+"""Stage 1 as a user runs it: the demo SFT learns, writes a loadable adapter, and fails cleanly on bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fitrl.config import load_run_config, load_run_info
+from fitrl.distributed import tensor_digest
+from fitrl.outputs import read_metrics
+
+from conftest import CONFIGS, accelerate_launch, error_line, run_script
+
+SFT_YAML = CONFIGS / "demo" / "sft.yaml"
+
+
+def _sft(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = None):
+    return run_script(
+        "sft_lora.py",
+        "--config",
+        SFT_YAML,
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        *extra,
+        launcher=launcher,
+    )
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+    out = tmp_path_factory.mktemp("sft") / "run"
+    result = _sft(out, demo_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_demo_sft_lowers_the_loss(sft_run: Path) -> None:
+    losses = [r["loss"] for r in read_metrics(sft_run / "metrics.jsonl") if "loss" in r]
+    assert len(losses) >= 5
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+    assert last < 0.95 * first, f"loss did not fall clearly: {losses}"
+
+
+@pytest.mark.slow
+def test_demo_sft_writes_every_output(sft_run: Path, demo_cache: Path) -> None:
+    for name in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+        "run_config.yaml",
+        "run_info.json",
+        "metrics.jsonl",
+        "loss.png",
+    ]:
+        assert (sft_run / name).is_file(), name
+    assert load_run_config(sft_run)["model_name_or_path"] == "demo://lm"
+    assert load_run_info(sft_run)["world_size"] == 1
+    assert not (sft_run.parent / f".{sft_run.name}.partial").exists()
+
+
+@pytest.mark.slow
+def test_demo_sft_changed_lora_weights_and_adapter_loads(sft_run: Path, demo_root: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    weights = load_file(sft_run / "adapter_model.safetensors")
+    lora_b = [t for k, t in weights.items() if "lora_B" in k]
+    # peft initialises lora_B to zero: any non-zero entry was learned.
+    assert lora_b and all(t.abs().max() > 0 for t in lora_b)
+
+    base = AutoModelForCausalLM.from_pretrained(demo_root / "lm").eval()
+    x = torch.randint(0, base.config.vocab_size, (1, 12))
+    with torch.no_grad():
+        base_logits = base(input_ids=x).logits
+        tuned = PeftModel.from_pretrained(base, sft_run).eval()
+        tuned_logits = tuned(input_ids=x).logits
+    assert not torch.allclose(base_logits, tuned_logits, atol=1e-4)
+    assert json.loads((sft_run / "adapter_config.json").read_text())["r"] == load_run_config(sft_run)["lora_r"]
+
+
+@pytest.mark.slow
+def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache: Path) -> None:
+    out = tmp_path / "ddp"
+    result = _sft(out, demo_cache, "--max_steps", "6", "--logging_steps", "2", launcher=accelerate_launch(2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = load_run_info(out)
+    assert info["world_size"] == 2
+    digests = info["rank_adapter_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    # The digest is of the real weights: it matches the adapter file rank 0 wrote.
+    assert tensor_digest(load_file(out / "adapter_model.safetensors")) == digests[0]
+
+
+def _assert_clean_failure(result, out: Path, message: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in error_line(result)
+    assert not out.exists() or not any(out.iterdir())
+    assert not (out.parent / f".{out.name}.partial").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model_name_or_path", "./no/such/model"], "model path ./no/such/model does not exist"),
+        (["--text_column", "body"], "has no column 'body'"),
+    ],
+)
+def test_bad_input_exits_2_and_writes_nothing(tmp_path: Path, demo_cache: Path, extra: list[str], message: str):
+    out = tmp_path / "out"
+    _assert_clean_failure(_sft(out, demo_cache, *extra), out, message)
+
+
+def test_empty_dataset_exits_2(tmp_path: Path, demo_cache: Path) -> None:
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    out = tmp_path / "out"
+    result = _sft(out, demo_cache, "--dataset", data)
+    assert result.returncode == 2 and "dataset" in error_line(result)
+    assert not out.exists()
+
+
+def test_unwritable_output_dir_exits_2(tmp_path: Path, demo_cache: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"
+    result = _sft(out, demo_cache)
+    assert result.returncode == 2
+    assert "not writable" in error_line(result)
+
+
+def test_non_empty_output_dir_is_refused_without_overwrite(tmp_path: Path, demo_cache: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = _sft(out, demo_cache, "--overwrite_output_dir", "false")
+    assert result.returncode == 2 and "not empty" in error_line(result)
+    assert (out / "keep.txt").read_text() == "precious"
