@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 
 PROFILE=${PROFILE:-demo}
 LAUNCH=${LAUNCH:-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no}
-STAGES=${STAGES:-sft}
+STAGES=${STAGES:-sft merge}
 [ -d "configs/$PROFILE" ] || { echo "error: no profile configs/$PROFILE; pick one of: $(ls configs | grep -v accelerate | tr '\n' ' ')" >&2; exit 2; }
 
 run_stage() {
@@ -24,7 +24,10 @@ run_stage() {
 for stage in $STAGES; do
   case $stage in
     sft) run_stage sft sft_lora.py ;;
-    *) echo "error: unknown stage '$stage'; known: sft" >&2; exit 2 ;;
+    # The merge is plain file work on the CPU: no accelerate launch, one process.
+    merge) echo "== fitrl: stage 'merge' with configs/$PROFILE/merge.yaml"
+           python scripts/merge_adapter.py --config "configs/$PROFILE/merge.yaml" ;;
+    *) echo "error: unknown stage '$stage'; known: sft merge" >&2; exit 2 ;;
   esac
 done
 echo "== fitrl: done ($STAGES) with profile $PROFILE"

@@ -31,6 +31,10 @@ class UsageError(Exception):
     """Bad input a user can fix: printed as one line, exit code 2."""
 
 
+class RunFailed(Exception):
+    """The run itself went wrong (a failed verification, NaN loss): printed as one line, exit code 1."""
+
+
 def first_line(exc: BaseException) -> str:
     """An exception as one line for the user: its first non-empty line, or its type's name."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -201,6 +205,9 @@ def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
         except UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None
+        except RunFailed as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
     return wrapper
 
@@ -216,6 +223,7 @@ __all__ = [
     "EXIT_USAGE",
     "RUN_CONFIG_NAME",
     "RUN_INFO_NAME",
+    "RunFailed",
     "UsageError",
     "check",
     "config_dict",

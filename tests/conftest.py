@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -34,6 +36,17 @@ def demo_root(demo_cache: Path) -> Path:
     from fitrl import demo
 
     return demo.demo_dir(demo_cache)
+
+
+def load_script(name: str) -> ModuleType:
+    """Import `scripts/<name>.py` as a module (its dataclasses and functions, without running main)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_script(*args: str | Path, timeout: int = 600, launcher: list[str] | None = None) -> subprocess.CompletedProcess:

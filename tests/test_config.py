@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -12,7 +11,7 @@ import yaml
 
 from fitrl.config import UsageError, check, help_field, load_run_config, parse_config, save_run_config
 
-from conftest import CONFIGS, error_line, run_script
+from conftest import CONFIGS, error_line, load_script, run_script
 
 
 @dataclass
@@ -73,8 +72,6 @@ def test_run_config_round_trips(tmp_path: Path) -> None:
 
 def test_every_profile_parses() -> None:
     """Each shipped YAML fills its stage's dataclasses without an unknown key or a bad value."""
-    import importlib.util
-
     for path in sorted(CONFIGS.glob("*/*.yaml")):
         if path.parent.name == "accelerate":
             continue
@@ -82,10 +79,7 @@ def test_every_profile_parses() -> None:
             path.stem
         )
         assert script, f"no script for profile {path}"
-        spec = importlib.util.spec_from_file_location(script, CONFIGS.parent / "scripts" / f"{script}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[script] = module  # dataclasses resolve their annotations through sys.modules
-        spec.loader.exec_module(module)
+        module = load_script(script)
         parse_config(module.CONFIG_TYPES, ["--config", str(path)])
 
 
