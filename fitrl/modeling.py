@@ -6,9 +6,9 @@ LoRA defaults behave the same in SFT, PPO and GRPO.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -18,8 +18,10 @@ import torch
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.distributed import process_state
 
-# bitsandbytes on CPU warns once per matmul that fp32 inputs are cast to fp16: expected, and noisy.
-warnings.filterwarnings("ignore", message=".*MatMul8bitLt: inputs will be cast.*")
+# bitsandbytes logs, on every 8-bit matmul, that fp32 inputs are cast to fp16: expected, and noisy.
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(
+    lambda record: "inputs will be cast" not in record.getMessage()
+)
 
 DEMO_SCHEME = "demo://"
 

@@ -75,9 +75,14 @@ def test_every_profile_parses() -> None:
     for path in sorted(CONFIGS.glob("*/*.yaml")):
         if path.parent.name == "accelerate":
             continue
-        script = {"sft": "sft_lora", "merge": "merge_adapter", "ppo": "ppo_sentiment", "grpo": "grpo_gsm8k"}.get(
-            path.stem
-        )
+        script = {
+            "sft": "sft_lora",
+            "merge": "merge_adapter",
+            "ppo": "ppo_sentiment",
+            "eval": "evaluate_sentiment",
+            "grpo": "grpo_gsm8k",
+            "eval_gsm8k": "evaluate_gsm8k",
+        }.get(path.stem)
         assert script, f"no script for profile {path}"
         module = load_script(script)
         parse_config(module.CONFIG_TYPES, ["--config", str(path)])
