@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 
 PROFILE=${PROFILE:-demo}
 LAUNCH=${LAUNCH:-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no}
-STAGES=${STAGES:-sft merge}
+STAGES=${STAGES:-sft merge ppo eval}
 [ -d "configs/$PROFILE" ] || { echo "error: no profile configs/$PROFILE; pick one of: $(ls configs | grep -v accelerate | tr '\n' ' ')" >&2; exit 2; }
 
 run_stage() {
@@ -27,7 +27,10 @@ for stage in $STAGES; do
     # The merge is plain file work on the CPU: no accelerate launch, one process.
     merge) echo "== fitrl: stage 'merge' with configs/$PROFILE/merge.yaml"
            python scripts/merge_adapter.py --config "configs/$PROFILE/merge.yaml" ;;
-    *) echo "error: unknown stage '$stage'; known: sft merge" >&2; exit 2 ;;
+    ppo) run_stage ppo ppo_sentiment.py ;;
+    eval) echo "== fitrl: stage 'eval' with configs/$PROFILE/eval.yaml"
+          python scripts/evaluate_sentiment.py --config "configs/$PROFILE/eval.yaml" ;;
+    *) echo "error: unknown stage '$stage'; known: sft merge ppo eval" >&2; exit 2 ;;
   esac
 done
 echo "== fitrl: done ($STAGES) with profile $PROFILE"
