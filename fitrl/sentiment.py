@@ -199,3 +199,11 @@ def response_logits(model: Any, rollout: Rollout, rows: slice | torch.Tensor | N
 def response_slice(tensor: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     """Of per-position outputs (B, Q + R, ...), those that predict the response tokens: (B, R, ...)."""
     return tensor[:, rollout.query_len - 1 : -1]
+
+
+def response_logprobs(model: Any, rollout: Rollout) -> torch.Tensor:
+    """log p(response token) under `model` for every response position: (B, R)."""
+    from fitrl.ppo import logprobs_from_logits
+
+    logits = response_slice(response_logits(model, rollout).logits, rollout)
+    return logprobs_from_logits(logits, rollout.input_ids[:, rollout.query_len :])

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from fitrl import ppo
 from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
 from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
@@ -30,8 +29,7 @@ from fitrl.sentiment import (
     check_reward_label,
     decode,
     generate,
-    response_logits,
-    response_slice,
+    response_logprobs,
 )
 
 
@@ -92,13 +90,9 @@ def main(argv: list[str] | None = None) -> None:
             torch.manual_seed(args.seed + c)
             rollout = generate(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
             with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
-                tokens = rollout.input_ids[:, rollout.query_len :]
-                logp = ppo.logprobs_from_logits(response_slice(response_logits(policy, rollout).logits, rollout),
-                                                tokens)  # fmt: skip
+                logp = response_logprobs(policy, rollout)
                 with policy.disable_adapter():
-                    ref_logp = ppo.logprobs_from_logits(
-                        response_slice(response_logits(policy, rollout).logits, rollout), tokens
-                    )
+                    ref_logp = response_logprobs(policy, rollout)
                     torch.manual_seed(args.seed + c)
                     ref_rollout = generate(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
             kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
