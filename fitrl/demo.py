@@ -7,10 +7,12 @@
   in `#### <number>`);
 - `lm/`: a tiny random-init GPT-NeoX (the gpt-neox-20b family) with a byte-level BPE tokenizer
   trained on those texts;
+- `reasoner/`: that LM after a short SFT on worked arithmetic in GRPO's `<reasoning>`/`<answer>`
+  format, with a plain chat template: the GRPO demo's starting point;
 - `classifier/`: a tiny DistilBERT sentiment classifier with its own WordPiece tokenizer, trained on
   the reviews: the demo's reward model (labels NEGATIVE / POSITIVE, like lvwerra/distilbert-imdb).
 
-Stages name them with `demo://lm`, `demo://classifier`, `demo://reviews`, `demo://arithmetic`.
+Stages name them with `demo://lm`, `demo://reasoner`, `demo://classifier`, `demo://reviews`, `demo://arithmetic`.
 """
 
 from __future__ import annotations
@@ -24,15 +26,24 @@ from typing import Any
 
 from fitrl.config import UsageError
 
-VERSION = 1
+VERSION = 2
 DEFAULT_SEED = 1234
 N_REVIEWS = 2400
 N_TEST_REVIEWS = 400
 N_PROBLEMS = 2000
 N_TEST_PROBLEMS = 300
-ASSETS = {"lm": "lm", "classifier": "classifier", "reviews": "reviews", "arithmetic": "arithmetic"}
+ASSETS = {
+    "lm": "lm",
+    "reasoner": "reasoner",
+    "classifier": "classifier",
+    "reviews": "reviews",
+    "arithmetic": "arithmetic",
+}
 MANIFEST = "manifest.json"
 PRETRAIN_STEPS = 40
+REASONER_STEPS = 100
+REASONER_LR = 3e-3
+REASONER_PROBLEMS = 850
 
 # --- the review corpus -------------------------------------------------------------------------
 
@@ -310,6 +321,49 @@ def _pretrain(
     model.eval()
 
 
+def _build_reasoner(lm_dir: Path, problems: list[dict[str, str]], out_dir: Path, seed: int) -> None:
+    """The demo LM after a short full-parameter SFT on worked arithmetic in the <reasoning>/<answer> format.
+
+    GRPO only improves what a model sometimes does: a tiny model that never writes the answer format
+    never earns a reward. Like the instruct models the real recipe starts from, this one has seen
+    the format, and writes it sometimes, but it is not yet reliable or accurate; GRPO's job is the rest.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fitrl.gsm8k import ensure_chat_template, format_solution, prompt_messages, render_prompt
+
+    tok = AutoTokenizer.from_pretrained(lm_dir)
+    ensure_chat_template(tok)
+    model = AutoModelForCausalLM.from_pretrained(lm_dir)
+    rows = []
+    for p in problems:
+        prompt = tok(render_prompt(tok, prompt_messages(p["question"])), add_special_tokens=False).input_ids
+        target = tok(format_solution(p["answer"]), add_special_tokens=False).input_ids + [tok.eos_token_id]
+        rows.append((prompt, target))
+    width = max(len(a) + len(b) for a, b in rows)
+    ids = torch.full((len(rows), width), tok.eos_token_id)
+    labels = torch.full((len(rows), width), -100)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (prompt, target) in enumerate(rows):
+        seq = prompt + target
+        ids[i, : len(seq)] = torch.tensor(seq)
+        labels[i, len(prompt) : len(seq)] = torch.tensor(target)  # loss on the answer only
+        mask[i, : len(seq)] = 1
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=REASONER_LR, weight_decay=0.0)
+    model.train()
+    for _ in range(REASONER_STEPS):
+        idx = torch.randint(len(rows), (16,), generator=gen)
+        loss = model(input_ids=ids[idx], attention_mask=mask[idx], labels=labels[idx]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+
+
 def _build_classifier(train: list[dict[str, Any]], test: list[dict[str, Any]], out_dir: Path, seed: int) -> float:
     """Train the tiny DistilBERT reward model; returns its held-out accuracy."""
     import torch
@@ -419,6 +473,8 @@ def build(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
                 staging / "lm",
                 seed,
             )
+            # The format SFT uses the training problems only: the test split stays unseen for evaluation.
+            _build_reasoner(staging / "lm", problems[N_TEST_PROBLEMS:][:REASONER_PROBLEMS], staging / "reasoner", seed)
             accuracy = _build_classifier(train, test, staging / "classifier", seed)
             manifest = {
                 "version": VERSION,

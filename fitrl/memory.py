@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from types import TracebackType
@@ -54,3 +55,11 @@ def gpu_peak_mb() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.max_memory_allocated() / 2**20
+
+
+def peak_memory_mb() -> float:
+    """This process's peak memory so far: torch's peak CUDA allocation on a GPU, else the peak RSS."""
+    gpu = gpu_peak_mb()
+    if gpu is not None:
+        return gpu
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

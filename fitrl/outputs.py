@@ -10,7 +10,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -120,13 +120,13 @@ def plot_curves(
     return Path(path)
 
 
-def metrics_callback(log: MetricsLog) -> Any:
-    """A transformers `TrainerCallback` that streams every Trainer log line into `log`."""
+def metrics_callback(log: MetricsLog, extra: Callable[[], dict[str, Any]] | None = None) -> Any:
+    """A transformers `TrainerCallback` that streams every Trainer log line (plus `extra()`) into `log`."""
     from transformers import TrainerCallback
 
     class _MetricsCallback(TrainerCallback):
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if logs and state.is_world_process_zero:
-                log.log({"step": state.global_step, **logs})
+                log.log({"step": state.global_step, **logs, **(extra() if extra else {})})
 
     return _MetricsCallback()

@@ -1,0 +1,165 @@
+"""GSM8K accuracy of a model, with or without a (GRPO) LoRA adapter: greedy, or pass@k when sampling.
+
+Completions are generated in batches from the same prompt as training (system message asking for
+`<reasoning>` then `<answer>`), scored by fitrl's `evaluate` metric (`fitrl/metrics/gsm8k_accuracy`,
+loaded from its local path, so offline works) with the rewards' own number parsing.
+
+    # the demo: the GRPO adapter against the model it started from, on the held-out problems
+    python scripts/evaluate_gsm8k.py --config configs/demo/eval_gsm8k.yaml
+    # Llama-3.2-1B-Instruct + the GRPO adapter on the GSM8K test split
+    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml
+    # the base model alone: leave adapter empty
+    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml --adapter null --output_dir outputs/eval-base
+
+Writes to `output_dir`: `completions.jsonl` (question, gold, completion, parsed answer, correct, format
+per completion), `summary.json` (accuracy, pass@k, format compliance, counts) and `run_config.yaml`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
+from fitrl.gsm8k import GSM8KDataArguments, add_prompts, ensure_chat_template, generate, load_accuracy_metric
+from fitrl.gsm8k import load_problems
+from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.rewards import extract_answer, is_correct, is_strict_format
+
+
+@dataclass
+class EvalArguments:
+    """What to evaluate and how to decode."""
+
+    adapter: str | None = help_field(None, "A LoRA adapter directory (the GRPO output) on top of the model; empty: none.")
+    output_dir: str = help_field("outputs/eval_gsm8k", "Where completions.jsonl and summary.json go.")
+    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
+    num_samples: int = help_field(1, "Completions per problem: 1 with temperature 0 is greedy accuracy; k > 1 gives pass@k.")
+    temperature: float = help_field(0.0, "0: greedy decoding; > 0: sampling at this temperature (needed for k > 1).")
+    max_new_tokens: int = help_field(786, "Longest completion in tokens.")
+    batch_size: int = help_field(16, "Problems per generation batch.")
+    compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
+    seed: int = help_field(0, "Random seed of the sampling.")
+
+    def validate(self) -> None:
+        check(self.num_samples >= 1, "num_samples", ">= 1")
+        check(self.temperature >= 0, "temperature", ">= 0")
+        check(self.num_samples == 1 or self.temperature > 0, "temperature", "> 0 when num_samples > 1 (pass@k samples)")
+        check(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
+        check(self.batch_size >= 1, "batch_size", ">= 1")
+
+
+CONFIG_TYPES = [ModelArguments, GSM8KDataArguments, EvalArguments]
+
+
+def check_adapter(adapter: str | None) -> Path | None:
+    if adapter is None or adapter.lower() in ("", "null", "none"):  # `--adapter null` on the command line
+        return None
+    path = Path(adapter).expanduser()
+    if not (path / "adapter_config.json").is_file():
+        raise UsageError(f"adapter {path} has no adapter_config.json; give the output_dir of a GRPO run")
+    return path
+
+
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, args = parse_config(CONFIG_TYPES, argv)
+
+    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    adapter = check_adapter(args.adapter)
+    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
+    if adapter is not None:
+        # The adapter was trained on one base: evaluating it on another is a silent mistake.
+        trained_on = load_run_config(adapter).get("model_name_or_path")
+        if trained_on is not None and trained_on != model_args.model_name_or_path:
+            raise UsageError(
+                f"adapter {adapter} was trained on {trained_on}, not {model_args.model_name_or_path}; "
+                "set model_name_or_path to match"
+            )
+    problems, skipped = load_problems(data_args, model_args.demo_cache_dir)
+    # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
+    tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
+    ensure_chat_template(tokenizer)
+    dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
+
+    import torch
+    from tqdm.auto import tqdm
+
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
+        model = load_causal_lm(model_args, path=model_path, for_training=False, pad_token_id=tokenizer.pad_token_id)
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter))
+        model.eval()
+
+        metric = load_accuracy_metric()
+
+        def complete(desc: str) -> list[list[str]]:
+            torch.manual_seed(args.seed)  # the base and the adapter see the same sampling noise
+            with tqdm(total=len(dataset), desc=desc, unit="problem") as bar:
+                return generate(
+                    model,
+                    tokenizer,
+                    dataset["prompt"],
+                    args.max_new_tokens,
+                    num_samples=args.num_samples,
+                    temperature=args.temperature,
+                    batch_size=args.batch_size,
+                    progress=bar,
+                )
+
+        completions = complete("with adapter" if adapter else "generating")
+        scores = metric.compute(predictions=completions, references=dataset["gold"])
+        base_scores = None
+        if adapter is not None and args.compare_to_base:
+            with model.disable_adapter():
+                base_completions = complete("adapter off")
+            base_scores = metric.compute(predictions=base_completions, references=dataset["gold"])
+        with (out / "completions.jsonl").open("w") as f:
+            for question, gold, comps in zip(dataset["question"], dataset["gold"], completions):
+                for sample, text in enumerate(comps):
+                    row = {
+                        "question": question,
+                        "gold": gold,
+                        "sample": sample,
+                        "completion": text,
+                        "parsed_answer": extract_answer(text),
+                        "correct": is_correct(text, gold),
+                        "strict_format": is_strict_format(text),
+                    }
+                    f.write(json.dumps(row) + "\n")
+        summary = {
+            "model": model_args.model_name_or_path,
+            "adapter": str(adapter) if adapter else None,
+            "dataset": data_args.dataset,
+            "split": data_args.dataset_split,
+            "problems": len(dataset),
+            "skipped_non_numeric_gold": len(skipped),
+            "dropped_long_prompts": n_too_long,
+            "decoding": "greedy" if args.temperature == 0 else f"sampled, temperature {args.temperature}",
+            **scores,
+            "without_adapter": base_scores,
+        }
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        save_run_config(out, model_args, data_args, args)
+
+    k = summary["k"]
+    line = f"GSM8K {data_args.dataset_split}: accuracy {summary['accuracy']:.1%}"
+    if k > 1:
+        line += f", pass@{k} {summary['pass_at_k']:.1%}"
+    print(f"{line}, format compliance {summary['format_compliance']:.1%} on {len(dataset)} problems")
+    if base_scores is not None:
+        print(
+            f"  without the adapter: accuracy {base_scores['accuracy']:.1%}, "
+            f"format compliance {base_scores['format_compliance']:.1%}"
+        )
+    if skipped:
+        print(f"skipped {len(skipped)} problems whose gold answer is not a number, e.g. {skipped[0]['gold']!r}")
+    print(f"per-example completions in {Path(args.output_dir) / 'completions.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The GSM8K task: problems, prompts, and the GRPO and evaluation scripts run as a user would."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import CONFIGS, error_line, run_script
+
+from fitrl.config import UsageError
+from fitrl.gsm8k import (
+    GSM8KDataArguments,
+    add_prompts,
+    ensure_chat_template,
+    format_solution,
+    load_problems,
+    prompt_messages,
+    render_prompt,
+)
+from fitrl.outputs import read_metrics
+from fitrl.rewards import is_correct, is_strict_format
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_demo_problems_have_numeric_golds(demo_cache: Path) -> None:
+    ds, skipped = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test"), str(demo_cache))
+    assert skipped == [] and len(ds) == 300
+    assert set(ds.column_names) == {"question", "answer", "gold"}
+    row = ds[0]
+    assert row["answer"].endswith(f"#### {row['gold']}")
+    # the format the demo teaches its reasoner is the format the rewards ask for, with the gold inside
+    solution = format_solution(row["answer"])
+    assert is_strict_format(solution) and is_correct(solution, row["gold"])
+    assert "<<" not in solution  # GSM8K's calculator annotations are not part of the reasoning
+
+
+def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_cache: Path) -> None:
+    rows = [
+        {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"},
+        {"question": "Name a colour.", "answer": "#### blue"},
+        {"question": "What is 10 * 100?", "answer": "#### 1,000"},
+    ]
+    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)))
+    ds, skipped = load_problems(args, str(demo_cache))
+    assert ds["gold"] == ["4", "1,000"]
+    assert skipped == [{"row": 1, "gold": "blue"}]
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"question": "q", "solution": "#### 4"}], "no column 'answer'"),
+        ([{"prompt": "q", "answer": "#### 4"}], "no column 'question'"),
+        ([{"question": "q", "answer": "#### 4"}, {"question": "q2", "answer": "4"}], "row 1: answer has no '####"),
+        ([{"question": "q", "answer": "#### four"}], "no row has a numeric gold"),
+    ],
+)
+def test_bad_gsm8k_data_is_a_usage_error(tmp_path: Path, demo_cache: Path, rows: list, message: str) -> None:
+    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", rows)))
+    with pytest.raises(UsageError, match=message):
+        load_problems(args, str(demo_cache))
+
+
+def test_prompts_use_the_system_message_and_long_ones_are_dropped(demo_root: Path, demo_cache: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(demo_root / "lm")
+    assert ensure_chat_template(tok) is True  # a base model's tokenizer gets the plain template
+    assert ensure_chat_template(tok) is False
+    text = render_prompt(tok, prompt_messages("What is 2 + 2?"))
+    assert text.startswith("Respond in the following format:\n<reasoning>") and text.endswith("What is 2 + 2?\nAnswer:\n")
+
+    ds, _ = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", max_samples=50), str(demo_cache))
+    lengths = sorted(len(tok(render_prompt(tok, prompt_messages(q))).input_ids) for q in ds["question"])
+    limit = lengths[len(lengths) // 2]
+    kept, dropped = add_prompts(ds, tok, "Respond in the following format:", 10_000)
+    assert dropped == 0 and kept[0]["prompt"][0]["role"] == "system"
+    kept, dropped = add_prompts(ds, tok, GSM8KDataArguments().system_prompt, limit)
+    assert dropped == sum(n > limit for n in lengths) > 0 and len(kept) == 50 - dropped
+    with pytest.raises(UsageError, match="raise max_prompt_length"):
+        add_prompts(ds, tok, GSM8KDataArguments().system_prompt, lengths[0] - 1)
+
+
+def test_demo_reasoner_has_learned_the_format(demo_root: Path) -> None:
+    """GRPO needs a start that sometimes earns the format reward: the demo's reasoner mostly does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fitrl.demo import read_jsonl
+    from fitrl.gsm8k import generate
+
+    tok = AutoTokenizer.from_pretrained(demo_root / "reasoner")
+    tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(demo_root / "reasoner")
+    problems = read_jsonl(demo_root / "arithmetic" / "test.jsonl")[:32]
+    completions = generate(model, tok, [prompt_messages(p["question"]) for p in problems], 96, batch_size=32)
+    assert sum(is_strict_format(c[0]) for c in completions) >= 16
+
+
+# --- the scripts, as a user runs them -------------------------------------------------------------
+
+SMOKE = [
+    "--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
+    "--max_completion_length", "48", "--max_samples", "64", "--num_samples_to_show", "2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+    """A 3-step GRPO run on the demo: 8-bit frozen base, LoRA, a KL term to the adapter-off reference."""
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    result = run_script(
+        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
+        "--output_dir", out, "--beta", "0.1", "--save_steps", "2", *SMOKE,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_grpo_smoke_run_in_8bit_with_lora(grpo_smoke: Path) -> None:
+    from safetensors.torch import load_file
+
+    for name in ["adapter_model.safetensors", "adapter_config.json", "run_config.yaml", "run_info.json",
+                 "grpo_curves.png", "samples.md", "tokenizer_config.json"]:  # fmt: skip
+        assert (grpo_smoke / name).is_file(), name
+    rows = [r for r in read_metrics(grpo_smoke / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ["rewards/strict_format_reward/mean", "rewards/soft_format_reward/mean",
+                "rewards/accuracy_reward/mean", "completions/mean_length", "kl", "peak_memory_mb"]:  # fmt: skip
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert rows[-1]["kl"] > 0  # the reference (adapter off) really differs from the trained policy
+    # LoRA's B starts at zero: a non-zero B means the adapter was trained
+    adapter = load_file(grpo_smoke / "adapter_model.safetensors")
+    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+    info = json.loads((grpo_smoke / "run_info.json").read_text())
+    assert info["problems"] == 64 and info["peak_memory_mb"] > 0
+    assert "before:" in (grpo_smoke / "samples.md").read_text()
+    # checkpoints live beside the output, so a stopped run keeps them
+    assert (grpo_smoke.with_name("run.checkpoints") / "checkpoint-2" / "trainer_state.json").is_file()
+
+
+@pytest.mark.slow
+def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+    checkpoint = grpo_smoke.with_name("run.checkpoints") / "checkpoint-2"
+    out = tmp_path / "resumed"
+    result = run_script(
+        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
+        "--output_dir", out, "--beta", "0.1", "--resume_from_checkpoint", checkpoint,
+        *SMOKE[:-2], "--num_samples_to_show", "0", "--max_steps", "4",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    assert steps == [3, 4]  # steps 1-2 came from the checkpoint
+    assert json.loads((out / "run_info.json").read_text())["resumed_from"] == str(checkpoint)
+
+
+@pytest.mark.slow
+def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+    data = write_jsonl(
+        tmp_path / "test.jsonl",
+        [{"question": "Mia has 4 apples. Mia gets 3 more. How many apples does Mia have now?", "answer": "#### 7"},
+         {"question": "Name a colour.", "answer": "#### blue"},
+         {"question": "Leo has 9 books and gives away 2. How many books are left?", "answer": "#### 7"}],
+    )  # fmt: skip
+    out = tmp_path / "eval"
+    result = run_script(
+        "evaluate_gsm8k.py", "--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache,
+        "--dataset", data, "--adapter", grpo_smoke, "--output_dir", out,
+        "--num_samples", "3", "--temperature", "1.0", "--max_new_tokens", "48",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "skipped 1 problems whose gold answer is not a number" in result.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert summary["problems"] == 2 and summary["k"] == 3 and len(rows) == 6
+    assert set(rows[0]) == {"question", "gold", "sample", "completion", "parsed_answer", "correct", "strict_format"}
+    # the summary is the metric over exactly these completions
+    assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 6)
+    assert summary["format_compliance"] == pytest.approx(sum(r["strict_format"] for r in rows) / 6)
+    assert set(summary["without_adapter"]) == {"accuracy", "pass_at_k", "format_compliance", "k"}
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_demo_reward(tmp_path: Path, demo_cache: Path) -> None:
+    """The learning test: the demo profile as shipped, and the mean reward must really climb."""
+    out = tmp_path / "grpo"
+    result = run_script(
+        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
+        "--output_dir", out, "--num_samples_to_show", "0",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    rewards = [r["reward"] for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    k = len(rewards) // 5
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    assert last > first + LEARNING_MARGIN, f"mean reward {first:.3f} -> {last:.3f}"
+
+
+LEARNING_MARGIN = 0.1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model_name_or_path", "/nonexistent/model"], "/nonexistent/model"),
+        (["--num_generations", "1"], "invalid value for 'num_generations'"),
+        (["--per_device_train_batch_size", "6", "--num_generations", "4"], "divisible"),
+        (["--resume_from_checkpoint", "latest"], "no checkpoint to resume"),
+        (["--loss_type", "ppo"], "invalid choice: 'ppo'"),
+    ],
+)
+def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[str], message: str) -> None:
+    out = tmp_path / "never"
+    result = run_script(
+        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
+        "--output_dir", out, *args,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert message in error_line(result)
+    assert not out.exists() and not out.with_name(".never.partial").exists()
+
+
+@pytest.mark.parametrize("script", ["grpo_gsm8k.py", "evaluate_gsm8k.py"])
+def test_scripts_reject_data_without_gsm8k_answers(tmp_path: Path, demo_cache: Path, script: str) -> None:
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "4"}])
+    config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
+    result = run_script(
+        script, "--config", CONFIGS / "demo" / f"{config}.yaml", "--demo_cache_dir", demo_cache,
+        "--dataset", data, "--output_dir", tmp_path / "out", *extra,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "row 0: answer has no '#### <number>' line" in error_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_cache: Path) -> None:
+    result = run_script(
+        "evaluate_gsm8k.py", "--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache,
+        "--adapter", tmp_path / "nothing", "--output_dir", tmp_path / "out",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "has no adapter_config.json" in error_line(result)
