@@ -6,7 +6,7 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup demo test test-fast lint format
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt

@@ -1,36 +1,51 @@
 #!/usr/bin/env bash
-# The fitrl RLHF pipeline: each stage is one script, each reads what the stage before it wrote.
+# The fitrl pipeline: each stage is one script, each reads what the stage before it wrote.
 #
 #   bash pipeline.sh                          # the embedded demo, on a CPU, in minutes
-#   PROFILE=neox20b-24gb bash pipeline.sh     # the real gpt-neox-20b job on one 24 GB GPU
+#   PROFILE=neox20b-24gb bash pipeline.sh     # the real gpt-neox-20b RLHF job on one 24 GB GPU
+#   PROFILE=llama1b-16gb bash pipeline.sh     # GRPO on GSM8K with Llama-3.2-1B-Instruct, then its evaluation
 #   LAUNCH="accelerate launch --multi_gpu --num_processes 2" bash pipeline.sh   # DDP
 #
-# STAGES picks a subset, e.g. STAGES="ppo" bash pipeline.sh.
+# By default every stage the profile has a config for runs, in this order:
+#   sft merge ppo eval     the RLHF recipe (IMDB sentiment)
+#   grpo eval_gsm8k        GRPO on GSM8K and its accuracy evaluation
+# STAGES picks a subset, e.g. STAGES="ppo eval" bash pipeline.sh; DRY_RUN=1 prints the commands instead.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+ALL_STAGES="sft merge ppo eval grpo eval_gsm8k"
 PROFILE=${PROFILE:-demo}
 LAUNCH=${LAUNCH:-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no}
-STAGES=${STAGES:-sft merge ppo eval}
 [ -d "configs/$PROFILE" ] || { echo "error: no profile configs/$PROFILE; pick one of: $(ls configs | grep -v accelerate | tr '\n' ' ')" >&2; exit 2; }
+if [ -z "${STAGES:-}" ]; then
+  STAGES=""
+  for stage in $ALL_STAGES; do [ -f "configs/$PROFILE/$stage.yaml" ] && STAGES="$STAGES $stage"; done
+  STAGES=${STAGES# }
+fi
 
-run_stage() {
-  local stage=$1 script=$2
-  echo "== fitrl: stage '$stage' with configs/$PROFILE/$stage.yaml"
-  # shellcheck disable=SC2086
-  $LAUNCH "scripts/$script" --config "configs/$PROFILE/$stage.yaml"
+# Check the whole request before the first stage starts: a typo in the last stage should not cost the first.
+for stage in $STAGES; do
+  case " $ALL_STAGES " in *" $stage "*) ;; *) echo "error: unknown stage '$stage'; known: $ALL_STAGES" >&2; exit 2 ;; esac
+  [ -f "configs/$PROFILE/$stage.yaml" ] || { echo "error: profile '$PROFILE' has no stage '$stage' (no configs/$PROFILE/$stage.yaml)" >&2; exit 2; }
+done
+
+run() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi
 }
 
 for stage in $STAGES; do
+  config="configs/$PROFILE/$stage.yaml"
+  echo "== fitrl: stage '$stage' with $config" >&2
+  # shellcheck disable=SC2086  # LAUNCH is a command line: split it into words
   case $stage in
-    sft) run_stage sft sft_lora.py ;;
-    # The merge is plain file work on the CPU: no accelerate launch, one process.
-    merge) echo "== fitrl: stage 'merge' with configs/$PROFILE/merge.yaml"
-           python scripts/merge_adapter.py --config "configs/$PROFILE/merge.yaml" ;;
-    ppo) run_stage ppo ppo_sentiment.py ;;
-    eval) echo "== fitrl: stage 'eval' with configs/$PROFILE/eval.yaml"
-          python scripts/evaluate_sentiment.py --config "configs/$PROFILE/eval.yaml" ;;
-    *) echo "error: unknown stage '$stage'; known: sft merge ppo eval" >&2; exit 2 ;;
+    # Training stages go through accelerate (one GPU, DDP, DeepSpeed, FSDP: whatever LAUNCH says).
+    sft) run $LAUNCH scripts/sft_lora.py --config "$config" ;;
+    ppo) run $LAUNCH scripts/ppo_sentiment.py --config "$config" ;;
+    grpo) run $LAUNCH scripts/grpo_gsm8k.py --config "$config" ;;
+    # The merge is file work on the CPU and the evaluations are one-process generation: plain python.
+    merge) run python scripts/merge_adapter.py --config "$config" ;;
+    eval) run python scripts/evaluate_sentiment.py --config "$config" ;;
+    eval_gsm8k) run python scripts/evaluate_gsm8k.py --config "$config" ;;
   esac
 done
 echo "== fitrl: done ($STAGES) with profile $PROFILE"

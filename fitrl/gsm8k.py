@@ -15,9 +15,7 @@ from fitrl.config import UsageError, check, help_field
 from fitrl.data import load_dataset_any, require_columns
 from fitrl.rewards import extract_gold, parse_number
 
-SYSTEM_PROMPT = (
-    "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
-)
+SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
 
 # For tokenizers without a chat template (base models such as gpt-neox, the demo's tiny model): the
 # system text, the question, then the answer cue. Instruct models (Llama-3.2-1B-Instruct) keep theirs.

@@ -8,8 +8,9 @@ loaded from its local path, so offline works) with the rewards' own number parsi
     python scripts/evaluate_gsm8k.py --config configs/demo/eval_gsm8k.yaml
     # Llama-3.2-1B-Instruct + the GRPO adapter on the GSM8K test split
     python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml
-    # the base model alone: leave adapter empty
-    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml --adapter null --output_dir outputs/eval-base
+    # the base model alone: no adapter
+    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml \
+        --adapter null --output_dir outputs/llama1b/eval_gsm8k-base
 
 Writes to `output_dir`: `completions.jsonl` (question, gold, completion, parsed answer, correct, format
 per completion), `summary.json` (accuracy, pass@k, format compliance, counts) and `run_config.yaml`.
@@ -22,8 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
-from fitrl.gsm8k import GSM8KDataArguments, add_prompts, ensure_chat_template, generate, load_accuracy_metric
-from fitrl.gsm8k import load_problems
+from fitrl.gsm8k import (
+    GSM8KDataArguments,
+    add_prompts,
+    ensure_chat_template,
+    generate,
+    load_accuracy_metric,
+    load_problems,
+)
 from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
@@ -33,10 +40,12 @@ from fitrl.rewards import extract_answer, is_correct, is_strict_format
 class EvalArguments:
     """What to evaluate and how to decode."""
 
-    adapter: str | None = help_field(None, "A LoRA adapter directory (the GRPO output) on top of the model; empty: none.")
+    adapter: str | None = help_field(None, "LoRA adapter directory (a GRPO output) on the model; null: none.")
     output_dir: str = help_field("outputs/eval_gsm8k", "Where completions.jsonl and summary.json go.")
     overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
-    num_samples: int = help_field(1, "Completions per problem: 1 with temperature 0 is greedy accuracy; k > 1 gives pass@k.")
+    num_samples: int = help_field(
+        1, "Completions per problem: 1 at temperature 0 is greedy accuracy; k > 1 gives pass@k."
+    )
     temperature: float = help_field(0.0, "0: greedy decoding; > 0: sampling at this temperature (needed for k > 1).")
     max_new_tokens: int = help_field(786, "Longest completion in tokens.")
     batch_size: int = help_field(16, "Problems per generation batch.")

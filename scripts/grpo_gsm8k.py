@@ -42,7 +42,14 @@ from fitrl.config import (
 from fitrl.distributed import check_ranks_in_sync, cpu_only
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, ensure_chat_template, generate, load_problems
 from fitrl.memory import peak_memory_mb
-from fitrl.modeling import LoraArguments, ModelArguments, load_causal_lm, load_tokenizer, lora_config, resolve_model_path
+from fitrl.modeling import (
+    LoraArguments,
+    ModelArguments,
+    load_causal_lm,
+    load_tokenizer,
+    lora_config,
+    resolve_model_path,
+)
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
 from fitrl.rewards import REWARD_FUNCTIONS
 
@@ -93,7 +100,7 @@ class GRPOArguments:
     generation_batch_size: int | None = help_field(
         None, "Completions generated at once (empty: per_device_train_batch_size x processes x steps_per_generation)."
     )
-    num_iterations: int = help_field(1, "Optimisation passes over each generated batch (GRPO's mu); > 1 clips the ratio.")
+    num_iterations: int = help_field(1, "Passes over each generated batch (GRPO's mu); > 1 clips the ratio.")
     epsilon: float = help_field(0.2, "Clip range of the policy ratio when num_iterations > 1.")
     beta: float = help_field(0.0, "KL penalty to the reference (adapter off); 0 skips the reference pass entirely.")
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = help_field(

@@ -27,7 +27,7 @@ def test_assets_are_built_and_complete(demo_root: Path) -> None:
     assert {r["label"] for r in train} == {0, 1}
     assert abs(sum(r["label"] for r in train) / len(train) - 0.5) < 0.05
     assert len({r["text"] for r in train + test}) > 0.95 * (len(train) + len(test)), "reviews should be varied"
-    for name in ["lm", "classifier"]:
+    for name in ["lm", "reasoner", "classifier"]:
         assert (demo_root / name / "config.json").is_file()
         assert (demo_root / name / "model.safetensors").is_file()
         assert (demo_root / name / "tokenizer.json").is_file()

@@ -67,11 +67,17 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
     out = tmp_path / "eval"
     result = run_script("evaluate_sentiment.py", "--config", CONFIGS / "demo" / "eval.yaml", "--model_name_or_path",
                         "demo://lm", "--demo_cache_dir", demo_cache, "--adapter_dir", ppo_run, "--output_dir", out,
-                        "--n_prompts", "64")  # fmt: skip
+                        "--n_prompts", "1000")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
-    assert report["n_prompts"] == 64 and len(report["samples"]) == 64
-    assert report["policy"]["mean"] > report["reference"]["mean"] + 0.5
+    # every held-out prompt the demo has (112 reviews of the test split are long enough)
+    assert report["n_prompts"] == len(report["samples"]) >= 100
+    # Better beyond noise: the paired per-prompt gain must clear three standard errors. (On 64 prompts
+    # the noise alone, ~0.2, was as large as a fixed margin could safely ask.)
+    gains = torch.tensor([s["policy_reward"] - s["reference_reward"] for s in report["samples"]])
+    standard_error = gains.std() / len(gains) ** 0.5
+    assert gains.mean() > 3 * standard_error, f"gain {gains.mean():.2f} +- {standard_error:.2f}"
+    assert report["policy"]["mean"] == pytest.approx(report["reference"]["mean"] + gains.mean().item(), abs=1e-4)
     assert report["kl_mean"] > 0
     assert (out / "reward_hist.png").is_file() and "reference (adapter off)" in (out / "eval.md").read_text()
 

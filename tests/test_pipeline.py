@@ -1,0 +1,75 @@
+"""pipeline.sh: which stages a profile runs, in what order, and how it refuses a bad request."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import CONFIGS, ROOT
+
+
+def _pipeline(**env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "pipeline.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True, text=True
+    )
+
+
+def _scripts(stdout: str) -> list[str]:
+    return [
+        word.removeprefix("scripts/")
+        for line in stdout.splitlines()
+        for word in line.split()
+        if word.startswith("scripts/")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("profile", "scripts"),
+    [
+        (
+            "demo",
+            [
+                "sft_lora.py",
+                "merge_adapter.py",
+                "ppo_sentiment.py",
+                "evaluate_sentiment.py",
+                "grpo_gsm8k.py",
+                "evaluate_gsm8k.py",
+            ],
+        ),
+        ("neox20b-24gb", ["sft_lora.py", "merge_adapter.py", "ppo_sentiment.py", "evaluate_sentiment.py"]),
+        ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
+    ],
+)
+def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:
+    result = _pipeline(PROFILE=profile)
+    assert result.returncode == 0, result.stderr
+    assert _scripts(result.stdout) == scripts
+    for line in result.stdout.splitlines()[:-1]:
+        assert f"--config configs/{profile}/" in line
+        assert (CONFIGS.parent / line.split("--config ")[1]).is_file()
+
+
+def test_stages_picks_a_subset_and_launch_is_used_for_training() -> None:
+    result = _pipeline(STAGES="grpo eval_gsm8k", LAUNCH="accelerate launch --multi_gpu --num_processes 2")
+    assert result.returncode == 0, result.stderr
+    grpo, evaluation = result.stdout.splitlines()[:2]
+    assert grpo.startswith("accelerate launch --multi_gpu --num_processes 2 scripts/grpo_gsm8k.py")
+    assert evaluation.startswith("python scripts/evaluate_gsm8k.py")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"STAGES": "sft bogus"}, "error: unknown stage 'bogus'"),
+        ({"PROFILE": "llama1b-16gb", "STAGES": "sft"}, "error: profile 'llama1b-16gb' has no stage 'sft'"),
+        ({"PROFILE": "nope"}, "error: no profile configs/nope"),
+    ],
+)
+def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) -> None:
+    result = _pipeline(**env)
+    assert result.returncode == 2
+    assert result.stdout == "", "nothing may run before the request is checked"
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
