@@ -35,8 +35,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config = GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                               num_attention_heads=12, intermediate_size=4 * args.hidden)  # fmt: skip
+        config = GPTNeoXConfig(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=12,
+            intermediate_size=4 * args.hidden,
+        )
         model = GPTNeoXForCausalLM(config)
         size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         model.save_pretrained(tmp / "base", max_shard_size=args.shard_size)
@@ -63,7 +68,7 @@ def main() -> None:
                     "float32",
                     "--method",
                     method,
-                ],  # fmt: skip
+                ],
                 check=True,
                 capture_output=True,
             )

@@ -27,9 +27,21 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ppo"
-        cmd = [sys.executable, str(ROOT / "scripts" / "ppo_sentiment.py"), "--config", args.config,
-               "--steps", str(args.steps), "--output_dir", str(out), "--report_to", "none", "--save_steps", "0",
-               *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "ppo_sentiment.py"),
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--output_dir",
+            str(out),
+            "--report_to",
+            "none",
+            "--save_steps",
+            "0",
+            *extra,
+        ]
         subprocess.run(cmd, check=True, capture_output=True)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         info = json.loads((out / "run_info.json").read_text())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import sys
 import types
 import typing
@@ -39,6 +40,11 @@ def first_line(exc: BaseException) -> str:
     """An exception as one line for the user: its first non-empty line, or its type's name."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def offline_note() -> str:
+    """A hint for load errors: ' (offline: HF_HUB_OFFLINE is set)' when that is the likely cause, else ''."""
+    return " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
 
 
 def check(condition: bool, key: str, allowed: str) -> None:
@@ -232,6 +238,7 @@ __all__ = [
     "help_field",
     "load_run_config",
     "load_run_info",
+    "offline_note",
     "one_of",
     "parse_config",
     "save_run_config",

@@ -6,15 +6,14 @@ Every failure a user can fix (missing file, missing column, empty data, no netwo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fitrl.config import UsageError, first_line
+from fitrl import demo
+from fitrl.config import UsageError, first_line, offline_note
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-DEMO_DATASETS = {"demo://reviews": "reviews", "demo://arithmetic": "arithmetic"}
 
 
 def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
@@ -37,17 +36,15 @@ def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
 
 
 def load_dataset_any(
-    source: str, split: str = "train", demo_cache_dir: str = "~/.cache/fitrl/demo", config_name: str | None = None
+    source: str, split: str = "train", demo_cache_dir: str = demo.DEFAULT_CACHE_DIR, config_name: str | None = None
 ) -> Any:
     """A `datasets.Dataset` for `source`: 'demo://reviews', a local file or directory, or a hub id."""
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        if source in DEMO_DATASETS:
-            from fitrl import demo
-
-            root = demo.build(demo_cache_dir) / DEMO_DATASETS[source]
+        if demo.is_demo_uri(source):
+            root = demo.resolve(source, demo_cache_dir)
             if not (root / f"{split}.jsonl").is_file():
                 raise UsageError(f"demo dataset {source} has no split '{split}'; use train or test")
             return datasets.load_dataset("json", data_files=str(root / f"{split}.jsonl"), split="train")
@@ -61,8 +58,7 @@ def load_dataset_any(
     except UsageError:
         raise
     except (FileNotFoundError, ValueError, OSError, ConnectionError) as e:
-        offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise UsageError(f"cannot load dataset {source} split '{split}'{offline}: {first_line(e)}") from None
+        raise UsageError(f"cannot load dataset {source} split '{split}'{offline_note()}: {first_line(e)}") from None
     except Exception as e:  # datasets wraps parse errors of corrupt files in its own exception types
         raise UsageError(f"cannot read dataset {source}: {type(e).__name__}: {first_line(e)}") from None
 

@@ -1,36 +1,22 @@
-"""The GSM8K task of the GRPO stage: problems, the reasoning/answer prompt, batched generation, the metric.
+"""The GSM8K task of the GRPO stage: problems with a numeric gold answer, their chat prompts, the metric.
 
-Shared by `scripts/grpo_gsm8k.py` (training), `scripts/evaluate_gsm8k.py` (evaluation) and the demo
-builder (which teaches its tiny model the answer format). The rewards live in `fitrl.rewards`.
+Shared by `scripts/grpo_gsm8k.py` (training) and `scripts/evaluate_gsm8k.py` (evaluation). The answer
+format lives in `fitrl.answer_format`, the rewards that check it in `fitrl.rewards`, and sampling
+completions in `fitrl.rollout`.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitrl.answer_format import SYSTEM_PROMPT, prompt_messages, render_prompt
 from fitrl.config import UsageError, check, help_field
 from fitrl.data import load_dataset_any, require_columns
 from fitrl.rewards import extract_gold, parse_number
 
-SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
-
-# For tokenizers without a chat template (base models such as gpt-neox, the demo's tiny model): the
-# system text, the question, then the answer cue. Instruct models (Llama-3.2-1B-Instruct) keep theirs.
-PLAIN_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{{ message['content'] + '\\n\\n' }}"
-    "{%- elif message['role'] == 'user' -%}{{ 'Question: ' + message['content'] + '\\n' }}"
-    "{%- elif message['role'] == 'assistant' -%}{{ 'Answer:\\n' + message['content'] + eos_token }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ 'Answer:\\n' }}{%- endif -%}"
-)
-
 METRIC_PATH = Path(__file__).parent / "metrics" / "gsm8k_accuracy"
-_CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations, e.g. <<14+11=25>>
 
 
 @dataclass
@@ -49,29 +35,6 @@ class GSM8KDataArguments:
     def validate(self) -> None:
         check(self.max_samples is None or self.max_samples >= 1, "max_samples", "empty or >= 1")
         check(self.max_prompt_length >= 8, "max_prompt_length", ">= 8")
-
-
-def format_solution(answer: str) -> str:
-    """A GSM8K answer rewritten in the trained format: its worked steps, then the gold number."""
-    steps, gold = answer.rsplit("####", 1)
-    reasoning = _CALCULATOR.sub("", steps).strip()
-    return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{gold.strip()}\n</answer>"
-
-
-def prompt_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
-
-
-def ensure_chat_template(tokenizer: Any) -> bool:
-    """Give a tokenizer without a chat template the plain one; True when it had to."""
-    if getattr(tokenizer, "chat_template", None):
-        return False
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
-    return True
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, list[dict[str, Any]]]:
@@ -117,47 +80,6 @@ def add_prompts(ds: Any, tokenizer: Any, system_prompt: str, max_prompt_length: 
             f"(shortest: {min(lengths)}); raise max_prompt_length"
         )
     return ds.select(keep), dropped
-
-
-def generate(
-    model: Any,
-    tokenizer: Any,
-    prompts: list[list[dict[str, str]]],
-    max_new_tokens: int,
-    num_samples: int = 1,
-    temperature: float = 0.0,
-    batch_size: int = 16,
-    progress: Any = None,
-) -> list[list[str]]:
-    """`num_samples` completions per chat prompt, greedy when `temperature` is 0, in left-padded batches."""
-    import torch
-
-    device = next(model.parameters()).device
-    side, tokenizer.padding_side = tokenizer.padding_side, "left"
-    was_training = model.training
-    model.eval()  # no dropout while sampling
-    out: list[list[str]] = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            texts = [render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-            with torch.no_grad():
-                ids = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    num_return_sequences=num_samples,
-                    pad_token_id=tokenizer.pad_token_id,
-                    **(sampling if temperature > 0 else {"do_sample": False}),
-                )
-            texts_out = tokenizer.batch_decode(ids[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
-            out += [texts_out[i : i + num_samples] for i in range(0, len(texts_out), num_samples)]
-            if progress is not None:
-                progress.update(len(texts))
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return out
 
 
 def load_accuracy_metric() -> Any:

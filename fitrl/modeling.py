@@ -7,7 +7,6 @@ LoRA defaults behave the same in SFT, PPO and GRPO.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,15 +14,14 @@ from typing import Any, Literal
 
 import torch
 
-from fitrl.config import UsageError, check, first_line, help_field
+from fitrl import demo
+from fitrl.config import UsageError, check, first_line, help_field, offline_note
 from fitrl.distributed import process_state
 
 # bitsandbytes logs, on every 8-bit matmul, that fp32 inputs are cast to fp16: expected, and noisy.
 logging.getLogger("bitsandbytes.autograd._functions").addFilter(
     lambda record: "inputs will be cast" not in record.getMessage()
 )
-
-DEMO_SCHEME = "demo://"
 
 # LoRA targets per architecture when the config names none: the attention projections the
 # original LoRA paper and the peft examples use for each family.
@@ -61,9 +59,6 @@ class ModelArguments:
         "auto", "Dtype of the non-quantized weights; 'auto' is bfloat16 on a GPU that has it, else float32."
     )
     trust_remote_code: bool = help_field(False, "Allow model code from the hub repository to run (off: safer).")
-    demo_cache_dir: str = help_field(
-        "~/.cache/fitrl/demo", "Where the embedded demo assets (demo://...) are built and cached."
-    )
 
 
 @dataclass
@@ -87,10 +82,8 @@ class LoraArguments:
 
 def resolve_model_path(name_or_path: str, demo_cache_dir: str, what: str = "model") -> str:
     """Turn demo:// URIs into paths, check local paths exist, and pass hub ids through."""
-    if name_or_path.startswith(DEMO_SCHEME):
-        from fitrl import demo
-
-        return str(demo.asset_path(name_or_path, demo_cache_dir))
+    if demo.is_demo_uri(name_or_path):
+        return str(demo.resolve(name_or_path, demo_cache_dir))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -153,6 +146,7 @@ def load_causal_lm(
     args: ModelArguments,
     *,
     path: str | None = None,
+    demo_cache_dir: str = demo.DEFAULT_CACHE_DIR,
     gradient_checkpointing: bool = False,
     for_training: bool = True,
     pad_token_id: int | None = None,
@@ -160,7 +154,7 @@ def load_causal_lm(
     """Load the causal LM `args` names (or `path`), quantized as asked, ready for LoRA training."""
     from transformers import AutoModelForCausalLM
 
-    path = path or resolve_model_path(args.model_name_or_path, args.demo_cache_dir)
+    path = path or resolve_model_path(args.model_name_or_path, demo_cache_dir)
     dtype = torch_dtype(args.dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
     qconfig = quantization_config(args.quantization, dtype)
@@ -170,8 +164,7 @@ def load_causal_lm(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as e:
-        offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
-        raise UsageError(f"cannot load model {path}{offline}: {first_line(e)}") from None
+        raise UsageError(f"cannot load model {path}{offline_note()}: {first_line(e)}") from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
         if model.generation_config is not None:

@@ -89,8 +89,19 @@ def _json_number(v: Any) -> Any:
     return v
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file (`metrics.jsonl`, a demo dataset), blank lines skipped."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def markdown_cell(text: str) -> str:
+    """`text` safe inside a markdown table cell: pipes escaped, line breaks as spaces."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def plot_curves(

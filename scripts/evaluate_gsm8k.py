@@ -22,18 +22,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitrl.answer_format import ensure_chat_template
 from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
-from fitrl.gsm8k import (
-    GSM8KDataArguments,
-    add_prompts,
-    ensure_chat_template,
-    generate,
-    load_accuracy_metric,
-    load_problems,
-)
+from fitrl.demo import DemoArguments
+from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_accuracy_metric, load_problems
 from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
+from fitrl.rollout import complete_chats
 
 
 @dataclass
@@ -60,7 +56,7 @@ class EvalArguments:
         check(self.batch_size >= 1, "batch_size", ">= 1")
 
 
-CONFIG_TYPES = [ModelArguments, GSM8KDataArguments, EvalArguments]
+CONFIG_TYPES = [ModelArguments, GSM8KDataArguments, EvalArguments, DemoArguments]
 
 
 def check_adapter(adapter: str | None) -> Path | None:
@@ -74,11 +70,11 @@ def check_adapter(adapter: str | None) -> Path | None:
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, args = parse_config(CONFIG_TYPES, argv)
+    model_args, data_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
 
     check_output_dir(args.output_dir, args.overwrite_output_dir)
     adapter = check_adapter(args.adapter)
-    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     if adapter is not None:
         # The adapter was trained on one base: evaluating it on another is a silent mistake.
         trained_on = load_run_config(adapter).get("model_name_or_path")
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"adapter {adapter} was trained on {trained_on}, not {model_args.model_name_or_path}; "
                 "set model_name_or_path to match"
             )
-    problems, skipped = load_problems(data_args, model_args.demo_cache_dir)
+    problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
     ensure_chat_template(tokenizer)
@@ -109,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         def complete(desc: str) -> list[list[str]]:
             torch.manual_seed(args.seed)  # the base and the adapter see the same sampling noise
             with tqdm(total=len(dataset), desc=desc, unit="problem") as bar:
-                return generate(
+                return complete_chats(
                     model,
                     tokenizer,
                     dataset["prompt"],
@@ -153,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             "without_adapter": base_scores,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        save_run_config(out, model_args, data_args, args)
+        save_run_config(out, model_args, data_args, args, demo_args)
 
     k = summary["k"]
     line = f"GSM8K {data_args.dataset_split}: accuracy {summary['accuracy']:.1%}"

@@ -19,18 +19,11 @@ from pathlib import Path
 import torch
 
 from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
+from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, staged_output_dir
-from fitrl.sentiment import (
-    PromptArguments,
-    RewardArguments,
-    SentimentReward,
-    build_queries,
-    check_reward_label,
-    decode,
-    generate,
-    response_logprobs,
-)
+from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
+from fitrl.rollout import decode, response_logprobs, sample_responses
+from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
 
 @dataclass
@@ -49,27 +42,36 @@ class EvalArguments:
         check(self.n_prompts >= 1 and self.batch_size >= 1, "n_prompts", ">= 1 (and batch_size >= 1)")
 
 
-CONFIG_TYPES = [ModelArguments, PromptArguments, RewardArguments, EvalArguments]
+CONFIG_TYPES = [ModelArguments, PromptArguments, RewardArguments, EvalArguments, DemoArguments]
 
 
 def summary(scores: torch.Tensor) -> dict[str, float]:
     q = torch.quantile(scores, torch.tensor([0.1, 0.25, 0.5, 0.75, 0.9]))
-    return {"mean": scores.mean().item(), "std": scores.std().item(), "p10": q[0].item(), "p25": q[1].item(),
-            "median": q[2].item(), "p75": q[3].item(), "p90": q[4].item()}  # fmt: skip
+    return {
+        "mean": scores.mean().item(),
+        "std": scores.std().item(),
+        "p10": q[0].item(),
+        "p25": q[1].item(),
+        "median": q[2].item(),
+        "p75": q[3].item(),
+        "p90": q[4].item(),
+    }
 
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, prompt_args, reward_args, args = parse_config(CONFIG_TYPES, argv)
+    model_args, prompt_args, reward_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
     check_output_dir(args.output_dir, args.overwrite_output_dir)
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
-    check_reward_label(resolve_model_path(reward_args.reward_model, model_args.demo_cache_dir, "reward model"),
-                       reward_args.positive_label)  # fmt: skip
-    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
+    check_reward_label(
+        resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
+        reward_args.positive_label,
+    )
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    queries = build_queries(tokenizer, prompt_args, model_args.demo_cache_dir, args.seed)[: args.n_prompts]
+    queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)[: args.n_prompts]
 
     from peft import PeftModel
 
@@ -78,59 +80,79 @@ def main(argv: list[str] | None = None) -> None:
     if model_args.quantization == "none":
         model.to(device)
     policy = PeftModel.from_pretrained(model, adapter_dir).eval()
-    reward = SentimentReward(reward_args, model_args.demo_cache_dir, device)
+    reward = SentimentReward(reward_args, demo_args.demo_cache_dir, device)
     gen = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),),
-                            generator=gen).tolist()  # fmt: skip
+    lengths = torch.randint(
+        prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),), generator=gen
+    ).tolist()
 
     rows = []
     with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
         for c in range(0, len(queries), args.batch_size):
             qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
             torch.manual_seed(args.seed + c)
-            rollout = generate(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+            rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
             with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
                 logp = response_logprobs(policy, rollout)
                 with policy.disable_adapter():
                     ref_logp = response_logprobs(policy, rollout)
                     torch.manual_seed(args.seed + c)
-                    ref_rollout = generate(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+                    ref_rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
             kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
             q_texts, p_texts = decode(tokenizer, rollout)
             _, r_texts = decode(tokenizer, ref_rollout)
             p_scores = reward([q + r for q, r in zip(q_texts, p_texts)])
             r_scores = reward([q + r for q, r in zip(q_texts, r_texts)])
             for i, q in enumerate(q_texts):
-                rows.append({"query": q, "policy_response": p_texts[i], "policy_reward": p_scores[i].item(),
-                             "reference_response": r_texts[i], "reference_reward": r_scores[i].item(),
-                             "kl": kl[i].item()})  # fmt: skip
+                rows.append(
+                    {
+                        "query": q,
+                        "policy_response": p_texts[i],
+                        "policy_reward": p_scores[i].item(),
+                        "reference_response": r_texts[i],
+                        "reference_reward": r_scores[i].item(),
+                        "kl": kl[i].item(),
+                    }
+                )
 
         p_all = torch.tensor([r["policy_reward"] for r in rows])
         r_all = torch.tensor([r["reference_reward"] for r in rows])
-        report = {"n_prompts": len(rows), "adapter_dir": str(adapter_dir), "model": model_args.model_name_or_path,
-                  "policy": summary(p_all), "reference": summary(r_all),
-                  "kl_mean": sum(r["kl"] for r in rows) / len(rows), "samples": rows}  # fmt: skip
+        report = {
+            "n_prompts": len(rows),
+            "adapter_dir": str(adapter_dir),
+            "model": model_args.model_name_or_path,
+            "policy": summary(p_all),
+            "reference": summary(r_all),
+            "kl_mean": sum(r["kl"] for r in rows) / len(rows),
+            "samples": rows,
+        }
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
         plot_histogram(p_all, r_all, out / "reward_hist.png")
-        save_run_config(out, model_args, prompt_args, reward_args, args)
+        save_run_config(out, model_args, prompt_args, reward_args, args, demo_args)
     print(table)
 
 
 def report_table(report: dict, n_shown: int) -> str:
     p, r = report["policy"], report["reference"]
-    lines = [f"# Sentiment evaluation ({report['n_prompts']} held-out prompts)", "",
-             "| | mean reward | std | p10 | median | p90 |", "|---|---|---|---|---|---|",
-             f"| policy (PPO adapter) | {p['mean']:.3f} | {p['std']:.3f} | {p['p10']:.3f} | {p['median']:.3f} | "
-             f"{p['p90']:.3f} |",
-             f"| reference (adapter off) | {r['mean']:.3f} | {r['std']:.3f} | {r['p10']:.3f} | {r['median']:.3f} | "
-             f"{r['p90']:.3f} |", "", f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats",
-             "", "| query | policy | reward | reference | reward |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# Sentiment evaluation ({report['n_prompts']} held-out prompts)",
+        "",
+        "| | mean reward | std | p10 | median | p90 |",
+        "|---|---|---|---|---|---|",
+        f"| policy (PPO adapter) | {p['mean']:.3f} | {p['std']:.3f} | {p['p10']:.3f} | {p['median']:.3f} | "
+        f"{p['p90']:.3f} |",
+        f"| reference (adapter off) | {r['mean']:.3f} | {r['std']:.3f} | {r['p10']:.3f} | {r['median']:.3f} | "
+        f"{r['p90']:.3f} |",
+        "",
+        f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats",
+        "",
+        "| query | policy | reward | reference | reward |",
+        "|---|---|---|---|---|",
+    ]
     for s in report["samples"][:n_shown]:
-        cells = [
-            s[k].replace("|", "\\|").replace("\n", " ") for k in ("query", "policy_response", "reference_response")
-        ]
+        cells = [markdown_cell(s[k]) for k in ("query", "policy_response", "reference_response")]
         lines.append(
             f"| {cells[0]} | {cells[1]} | {s['policy_reward']:.2f} | {cells[2]} | {s['reference_reward']:.2f} |"
         )

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
+from fitrl.answer_format import ensure_chat_template
+from fitrl.checkpoints import checkpoint_root, find_checkpoint
 from fitrl.config import (
     UsageError,
     check,
@@ -39,8 +40,9 @@ from fitrl.config import (
     save_run_config,
     save_run_info,
 )
+from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only
-from fitrl.gsm8k import GSM8KDataArguments, add_prompts, ensure_chat_template, generate, load_problems
+from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.memory import peak_memory_mb
 from fitrl.modeling import (
     LoraArguments,
@@ -52,6 +54,7 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
 from fitrl.rewards import REWARD_FUNCTIONS
+from fitrl.rollout import complete_chats
 
 # The blog's LoRA targets: q, k, o and the MLP's up/down projections (fused names where the family fuses them).
 GRPO_LORA_TARGETS = {
@@ -132,26 +135,7 @@ class GRPOArguments:
         check(self.num_samples_to_show >= 0, "num_samples_to_show", ">= 0")
 
 
-CONFIG_TYPES = [ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments]
-
-
-def checkpoint_dir(args: GRPOArguments) -> Path:
-    out = Path(args.output_dir).expanduser().absolute()
-    return out.with_name(out.name + ".checkpoints")
-
-
-def find_checkpoint(args: GRPOArguments) -> str | None:
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = sorted(checkpoint_dir(args).glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]))
-        if not found:
-            raise UsageError(f"no checkpoint to resume in {checkpoint_dir(args)}; drop --resume_from_checkpoint")
-        return str(found[-1])
-    path = Path(args.resume_from_checkpoint).expanduser()
-    if not (path / "trainer_state.json").is_file():
-        raise UsageError(f"{path} is not a GRPO checkpoint (no trainer_state.json)")
-    return str(path)
+CONFIG_TYPES = [ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments, DemoArguments]
 
 
 def samples_markdown(questions: list[str], golds: list[str], before: list[str], after: list[str]) -> str:
@@ -163,13 +147,14 @@ def samples_markdown(questions: list[str], golds: list[str], before: list[str], 
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, lora_args, data_args, args = parse_config(CONFIG_TYPES, argv)
+    model_args, lora_args, data_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
 
     # Every input is checked before the model loads: a typo should cost a second.
     check_output_dir(args.output_dir, args.overwrite_output_dir)
-    resume = find_checkpoint(args)
-    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
-    problems, skipped = load_problems(data_args, model_args.demo_cache_dir)
+    resume_path = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO")
+    resume = str(resume_path) if resume_path else None
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code, padding_side="left")
     plain_template = ensure_chat_template(tokenizer)
     dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
@@ -182,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         training_args = GRPOConfig(
-            output_dir=str(checkpoint_dir(args)),
+            output_dir=str(checkpoint_root(args.output_dir)),
             learning_rate=args.learning_rate,
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
@@ -244,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
         shown = dataset.select(range(min(args.num_samples_to_show, len(dataset))))
-        samples_before = [c[0] for c in generate(model, tokenizer, shown["prompt"], args.max_completion_length)]
+        samples_before = [c[0] for c in complete_chats(model, tokenizer, shown["prompt"], args.max_completion_length)]
 
         metrics = MetricsLog(out, enabled=is_main)
         trainer = GRPOTrainer(
@@ -269,10 +254,12 @@ def main(argv: list[str] | None = None) -> None:
         policy = trainer.accelerator.unwrap_model(trainer.model)
         digests = check_ranks_in_sync(get_peft_model_state_dict(policy), "LoRA adapter weights")
         if trainer.is_world_process_zero():
-            samples_after = [c[0] for c in generate(policy, tokenizer, shown["prompt"], args.max_completion_length)]
+            samples_after = [
+                c[0] for c in complete_chats(policy, tokenizer, shown["prompt"], args.max_completion_length)
+            ]
             trainer.save_model(str(out))
             tokenizer.save_pretrained(out)
-            save_run_config(out, model_args, lora_args, data_args, args)
+            save_run_config(out, model_args, lora_args, data_args, args, demo_args)
             (out / "samples.md").write_text(
                 samples_markdown(shown["question"], shown["gold"], samples_before, samples_after)
             )

@@ -18,6 +18,7 @@ outside the staged output, so that a stopped run keeps them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -25,12 +26,13 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fitrl import ppo
+from fitrl.checkpoints import STATE_FILE, checkpoint_root, find_checkpoint, latest_checkpoint
 from fitrl.config import (
     RunFailed,
     UsageError,
@@ -42,22 +44,13 @@ from fitrl.config import (
     save_run_config,
     save_run_info,
 )
+from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only, tensor_digest
 from fitrl.memory import gpu_peak_mb
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import MetricsLog, check_output_dir, plot_curves, staged_output_dir
-from fitrl.sentiment import (
-    PromptArguments,
-    RewardArguments,
-    SentimentReward,
-    build_queries,
-    check_reward_label,
-    decode,
-    generate,
-    position_ids,
-    response_logits,
-    response_slice,
-)
+from fitrl.outputs import MetricsLog, check_output_dir, markdown_cell, plot_curves, staged_output_dir
+from fitrl.rollout import Rollout, decode, forward, position_ids, response_slice, sample_responses
+from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
 
 @dataclass
@@ -102,22 +95,41 @@ class PPOArguments:
     seed: int = help_field(0, "Random seed (prompts, lengths, sampling, shuffling).")
 
     def validate(self) -> None:
-        for key in ["steps", "batch_size", "mini_batch_size", "gradient_accumulation_steps", "forward_batch_size",
-                    "ppo_epochs", "kl_horizon"]:  # fmt: skip
+        for key in [
+            "steps",
+            "batch_size",
+            "mini_batch_size",
+            "gradient_accumulation_steps",
+            "forward_batch_size",
+            "ppo_epochs",
+            "kl_horizon",
+        ]:
             check(getattr(self, key) >= 1, key, ">= 1")
         check(self.learning_rate > 0, "learning_rate", "> 0")
-        check(self.batch_size % self.mini_batch_size == 0, "batch_size",
-              f"a multiple of mini_batch_size ({self.mini_batch_size})")  # fmt: skip
-        check(self.mini_batch_size % self.gradient_accumulation_steps == 0, "mini_batch_size",
-              f"a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps})")  # fmt: skip
-        check(0 < self.cliprange < 1 and self.cliprange_value > 0, "cliprange", "in (0, 1), cliprange_value > 0")
-        check(0 <= self.lam <= 1 and 0 <= self.gamma <= 1, "lam", "in [0, 1] (and gamma too)")
-        check(self.init_kl_coef >= 0 and self.target_kl > 0, "init_kl_coef", ">= 0 (and target_kl > 0)")
-        check(self.save_steps >= 0 and self.max_grad_norm >= 0, "save_steps", ">= 0 (and max_grad_norm >= 0)")
+        check(
+            self.batch_size % self.mini_batch_size == 0,
+            "batch_size",
+            f"a multiple of mini_batch_size ({self.mini_batch_size})",
+        )
+        check(
+            self.mini_batch_size % self.gradient_accumulation_steps == 0,
+            "mini_batch_size",
+            f"a multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps})",
+        )
+        check(0 < self.cliprange < 1, "cliprange", "in (0, 1)")
+        check(self.cliprange_value > 0, "cliprange_value", "> 0")
+        check(0 <= self.lam <= 1, "lam", "in [0, 1]")
+        check(0 <= self.gamma <= 1, "gamma", "in [0, 1]")
+        check(self.init_kl_coef >= 0, "init_kl_coef", ">= 0")
+        check(self.target_kl > 0, "target_kl", "> 0")
+        check(self.save_steps >= 0, "save_steps", ">= 0")
+        check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
         check(self.score_clip is None or self.score_clip > 0, "score_clip", "empty or > 0")
+        check(self.target_policy_kl > 0, "target_policy_kl", "> 0")
 
 
-CONFIG_TYPES = [ModelArguments, LoraArguments, PromptArguments, RewardArguments, PPOArguments]
+CONFIG_TYPES = [ModelArguments, LoraArguments, PromptArguments, RewardArguments, PPOArguments, DemoArguments]
+STAT_KEYS = ["pg_loss", "vf_loss", "clipfrac", "vf_clipfrac", "approx_kl", "ratio", "skipped"]
 
 
 class PolicyAndValue(nn.Module):
@@ -131,10 +143,106 @@ class PolicyAndValue(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids(attention_mask), output_hidden_states=True)  # fmt: skip
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            output_hidden_states=True,
+        )
         values = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # (B, T)
         return out.logits, values
+
+
+@dataclass
+class Experience:
+    """One PPO step's batch: the sampled sequences and what the no-grad pass measured on them.
+
+    Queries are left-padded to width Q, responses right-padded to width R; per-token fields are 0 on
+    padding. `advantages` and `returns` are filled once the whole batch is known (whitening needs it).
+    """
+
+    input_ids: torch.Tensor  # (B, Q + R)
+    attention_mask: torch.Tensor  # (B, Q + R)
+    response_mask: torch.Tensor  # (B, R) float: 1 on real response tokens
+    logprobs: torch.Tensor  # (B, R) log p_old of each response token
+    values: torch.Tensor  # (B, R) the value head's estimates
+    kl: torch.Tensor  # (B, R) per-token KL estimate to the reference
+    entropy: torch.Tensor  # (B, R)
+    query_len: int  # Q
+    advantages: torch.Tensor | None = None  # (B, R), whitened
+    returns: torch.Tensor | None = None  # (B, R), the value head's targets
+
+    @staticmethod
+    def cat(parts: list[Experience], pad_token_id: int) -> Experience:
+        """Pad every part to one (Q, R) layout and concatenate along the batch."""
+        qwidth = max(p.query_len for p in parts)
+        rwidth = max(p.response_mask.shape[1] for p in parts)
+        per_token = ["response_mask", "logprobs", "values", "kl", "entropy"]
+        cols: dict[str, list[torch.Tensor]] = {k: [] for k in ["input_ids", "attention_mask", *per_token]}
+        for p in parts:
+            qpad, rpad = qwidth - p.query_len, rwidth - p.response_mask.shape[1]
+            cols["input_ids"].append(nn.functional.pad(p.input_ids, (qpad, rpad), value=pad_token_id))
+            cols["attention_mask"].append(nn.functional.pad(p.attention_mask, (qpad, rpad), value=0))
+            for k in per_token:
+                cols[k].append(nn.functional.pad(getattr(p, k), (0, rpad)))
+        return Experience(**{k: torch.cat(v) for k, v in cols.items()}, query_len=qwidth)
+
+    def select(self, rows: torch.Tensor) -> Experience:
+        """The sub-batch of `rows`: every tensor field indexed along the batch."""
+        return dataclasses.replace(
+            self,
+            **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self) if f.name != "query_len"},
+        )
+
+    @property
+    def responses(self) -> torch.Tensor:  # (B, R)
+        return self.input_ids[:, self.query_len :]
+
+
+@dataclass
+class Run:
+    """What lives for the whole run: configs, the accelerator, the model and everything with state."""
+
+    model_args: ModelArguments
+    lora_args: LoraArguments
+    prompt_args: PromptArguments
+    reward_args: RewardArguments
+    args: PPOArguments
+    demo_args: DemoArguments
+    accelerator: Any
+    model_path: str
+    tokenizer: Any
+    queries: list[list[int]]
+    resume: Path | None
+    out: Path | None = None
+    model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
+    unwrapped: Any = None  # PolicyAndValue itself
+    optimizer: Any = None
+    reward: SentimentReward | None = None
+    kl_ctl: Any = None
+    score_stats: ppo.RunningMoments | None = None
+    metrics: MetricsLog | None = None
+    frozen: dict[str, torch.Tensor] | None = None
+    frozen_digest: str | None = None
+    start_step: int = 0
+    samples: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    first_prompts: list[int] | None = None
+    warned_negative_kl: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    # Every draw of a step (lengths, sampling, shuffles, dropout) comes from (seed, step, rank), so a
+    # resumed run makes exactly the draws of an uninterrupted one; the primes keep the triples apart.
+    return seed * 1_000_003 + step * 1009 + rank
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    # One permutation of the prompts per pass over them, the same on every rank and after a resume.
+    return seed * 7919 + epoch
 
 
 def batch_queries(queries: list[list[int]], step: int, rank: int, world: int, size: int, seed: int) -> list[int]:
@@ -143,305 +251,388 @@ def batch_queries(queries: list[list[int]], step: int, rank: int, world: int, si
     for j in range(size):
         pos = (step * world + rank) * size + j
         epoch, k = divmod(pos, len(queries))
-        perm = torch.randperm(len(queries), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        perm = torch.randperm(len(queries), generator=torch.Generator().manual_seed(epoch_seed(seed, epoch)))
         indices.append(int(perm[k]))
     return indices
 
 
-def checkpoint_root(args: PPOArguments) -> Path:
-    return Path(args.output_dir).expanduser().absolute().with_name(Path(args.output_dir).name + ".checkpoints")
-
-
-def latest_checkpoint(args: PPOArguments) -> Path | None:
-    found = [p for p in checkpoint_root(args).glob("step-*") if p.name.split("-")[1].isdigit()]
-    return max(found, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
 def stopped(reason: str, step: int, args: PPOArguments) -> RunFailed:
     """The error for a run that cannot go on: it names the checkpoint to resume from, if any."""
-    latest = latest_checkpoint(args)
+    latest = latest_checkpoint(checkpoint_root(args.output_dir), "step")
     kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was saved yet"
     return RunFailed(f"{reason} at step {step}; {kept}; lower learning_rate or clip scores (score_clip)")
 
 
-def find_checkpoint(args: PPOArguments) -> Path | None:
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        latest = latest_checkpoint(args)
-        if latest is None:
-            raise UsageError(f"no checkpoint to resume in {checkpoint_root(args)}; drop --resume_from_checkpoint")
-        return latest
-    path = Path(args.resume_from_checkpoint).expanduser()
-    if not (path / "trainer_state.json").is_file():
-        raise UsageError(f"{path} is not a PPO checkpoint (no trainer_state.json)")
-    return path
+# --- setup ----------------------------------------------------------------------------------------
 
 
-@entrypoint
-def main(argv: list[str] | None = None) -> None:
-    model_args, lora_args, prompt_args, reward_args, args = parse_config(CONFIG_TYPES, argv)
-
-    # Pre-flight: everything a user can get wrong is checked before the backbone loads.
+def preflight(configs: tuple[Any, ...]) -> Run:
+    """Everything a user can get wrong, checked before the backbone loads."""
+    model_args, lora_args, prompt_args, reward_args, args, demo_args = configs
+    cache = demo_args.demo_cache_dir
     check_output_dir(args.output_dir, args.overwrite_output_dir)
-    resume = find_checkpoint(args)
-    check_reward_label(resolve_model_path(reward_args.reward_model, model_args.demo_cache_dir, "reward model"),
-                       reward_args.positive_label)  # fmt: skip
-    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
+    resume = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "step", "PPO")
+    reward_path = resolve_model_path(reward_args.reward_model, cache, "reward model")
+    check_reward_label(reward_path, reward_args.positive_label)
+    model_path = resolve_model_path(model_args.model_name_or_path, cache)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    queries = build_queries(tokenizer, prompt_args, model_args.demo_cache_dir, args.seed)
+    queries = build_queries(tokenizer, prompt_args, cache, args.seed)
     if len(queries) < args.batch_size:
         raise UsageError(f"only {len(queries)} prompts for batch_size {args.batch_size}; lower batch_size")
 
     from accelerate import Accelerator
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    accelerator = Accelerator(
+        cpu=cpu_only(),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        log_with=None if args.report_to == "none" else args.report_to,
+    )
+    return Run(*configs, accelerator, model_path, tokenizer, queries, resume)
+
+
+def build(run: Run) -> None:
+    """The backbone, a fresh LoRA policy and value head, the optimizer, reward and KL controller."""
+    args = run.args
+    backbone = load_causal_lm(
+        run.model_args,
+        path=run.model_path,
+        gradient_checkpointing=args.gradient_checkpointing,
+        pad_token_id=run.tokenizer.pad_token_id,
+    )
+    torch.manual_seed(args.seed)  # the same fresh adapter and value head on every rank
+    model = PolicyAndValue(add_lora(backbone, run.lora_args), backbone.config.hidden_size)
+    model.value_head.to(run.device)  # the backbone is already placed (device_map) or moved by prepare()
+    run.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    run.frozen_digest = tensor_digest(run.frozen) if args.verify_frozen_base else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        run.optimizer = bnb.optim.AdamW8bit(params, lr=args.learning_rate)
+    else:
+        run.optimizer = torch.optim.AdamW(params, lr=args.learning_rate)
+    run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
+    if args.adaptive_kl:
+        run.kl_ctl = ppo.AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
+    else:
+        run.kl_ctl = ppo.FixedKLController(args.init_kl_coef)
+    run.score_stats = ppo.RunningMoments()
+    run.metrics = MetricsLog(run.out, enabled=run.accelerator.is_main_process)
+    run.unwrapped = model
+
+
+def load_checkpoint(run: Run, path: Path) -> None:
+    """Weights and run state from `path` (before DDP wraps the model); the optimizer state after."""
+    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
-    from tqdm.auto import tqdm
 
-    accelerator = Accelerator(cpu=cpu_only(), gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              log_with=None if args.report_to == "none" else args.report_to)  # fmt: skip
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
-        backbone = load_causal_lm(model_args, path=model_path, gradient_checkpointing=args.gradient_checkpointing,
-                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
-        torch.manual_seed(args.seed)  # the same fresh adapter and value head on every rank
-        model = PolicyAndValue(add_lora(backbone, lora_args), backbone.config.hidden_size)
-        model.value_head.to(device)  # the backbone is already placed (device_map) or moved by prepare()
-        frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
-        frozen_digest = tensor_digest(frozen) if args.verify_frozen_base else None
-        params = [p for p in model.parameters() if p.requires_grad]
-        if args.optimizer == "adamw_8bit":
-            import bitsandbytes as bnb
-
-            optimizer = bnb.optim.AdamW8bit(params, lr=args.learning_rate)
-        else:
-            optimizer = torch.optim.AdamW(params, lr=args.learning_rate)
-        reward = SentimentReward(reward_args, model_args.demo_cache_dir, device)
-        kl_ctl = (ppo.AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon) if args.adaptive_kl
-                  else ppo.FixedKLController(args.init_kl_coef))  # fmt: skip
-        score_stats = ppo.RunningMoments()
-        metrics = MetricsLog(out, enabled=accelerator.is_main_process)
-        start_step, samples = 0, {}
-        if resume is not None:  # weights before DDP wraps them; optimizer state after
-            set_peft_model_state_dict(model.policy, load_file(resume / "adapter" / "adapter_model.safetensors"))
-            model.value_head.load_state_dict(torch.load(resume / "value_head.pt", map_location=device))
-            state = json.loads((resume / "trainer_state.json").read_text())
-            start_step, samples = state["step"], state["samples"]
-            kl_ctl.load_state_dict(state["kl_controller"])
-            score_stats.load_state_dict(state["score_stats"])
-            for row in state["metrics"]:
-                metrics.log(row)
-        model, optimizer = accelerator.prepare(model, optimizer)
-        if resume is not None:
-            optimizer.load_state_dict(torch.load(resume / "optimizer.pt", map_location=device, weights_only=False))
-        unwrapped = accelerator.unwrap_model(model)
-        if args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
-            flat = config_dict(model_args, lora_args, prompt_args, reward_args, args)
-            accelerator.init_trackers("fitrl-ppo", {k: str(v) if isinstance(v, list) else v
-                                                    for k, v in flat.items() if v is not None})  # fmt: skip
-        warned_negative_kl = False
-        first_prompts = None
-        bar = tqdm(range(start_step, args.steps), desc="PPO", disable=not accelerator.is_main_process,
-                   initial=start_step, total=args.steps)  # fmt: skip
-        for step in bar:
-            # Every draw of the step (lengths, sampling, shuffles, dropout) comes from (seed, step, rank),
-            # so a run resumed from a checkpoint makes exactly the draws of an uninterrupted one.
-            torch.manual_seed(args.seed * 1_000_003 + step * 1009 + rank)
-            idx = batch_queries(queries, step, rank, world, args.batch_size, args.seed)
-            first_prompts = first_prompts or idx[:4]
-            lengths = torch.randint(prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1,
-                                    (args.batch_size,)).tolist()  # fmt: skip
-            timings, t0 = {}, time.perf_counter()
-
-            # 1. Rollout: batched generation from the current policy.
-            chunks = [slice(c, c + args.forward_batch_size) for c in range(0, args.batch_size, args.forward_batch_size)]
-            rollouts = [generate(unwrapped.policy, tokenizer, [queries[i] for i in idx[c]], lengths[c],
-                                 prompt_args.stop_at_eos, device) for c in chunks]  # fmt: skip
-            timings["time/generate"] = time.perf_counter() - t0
-
-            # 2. Score: the classifier reads the decoded text with its own tokenizer.
-            t0 = time.perf_counter()
-            texts = [decode(tokenizer, r) for r in rollouts]
-            q_texts = [q for qs, _ in texts for q in qs]
-            r_texts = [r for _, rs in texts for r in rs]
-            raw_scores = reward([q + r for q, r in zip(q_texts, r_texts)]).to(device)  # (B,)
-            if not torch.isfinite(raw_scores).all():
-                raise stopped("non-finite reward", step + 1, args)
-            scores = raw_scores
-            if args.score_scaling != "none":
-                score_stats.update(accelerator.gather(raw_scores).cpu())
-                shift = score_stats.mean if args.score_scaling == "normalize" else 0.0
-                scores = (raw_scores - shift) / (score_stats.std + 1e-8)
-            if args.score_clip is not None:
-                scores = scores.clamp(-args.score_clip, args.score_clip)
-            timings["time/score"] = time.perf_counter() - t0
-
-            # 3. One no-grad pass for old log-probs, values and (adapter off) reference log-probs, in eval
-            #    mode: dropout here would make the first PPO ratio differ from 1 for no reason.
-            t0 = time.perf_counter()
-            unwrapped.eval()
-            batch = []
-            with torch.no_grad():
-                for r in rollouts:
-                    logits, values = unwrapped(r.input_ids, r.attention_mask)
-                    with unwrapped.policy.disable_adapter():
-                        ref_logits = response_logits(unwrapped.policy, r).logits
-                    logits, ref_logits = response_slice(logits, r), response_slice(ref_logits, r)  # (B, R, V)
-                    tokens = r.input_ids[:, r.query_len :]
-                    logprobs = ppo.logprobs_from_logits(logits, tokens)  # (B, R)
-                    ref_logprobs = ppo.logprobs_from_logits(ref_logits, tokens)
-                    kl = ppo.kl_penalty(logprobs, ref_logprobs, args.kl_estimator, logits, ref_logits)
-                    entropy = ppo.entropy_from_logits(logits)
-                    batch.append((r, logprobs, response_slice(values, r), kl, entropy))
-            # All rollouts padded to one response width, so the batch can be shuffled as one tensor.
-            width = max(r.response_mask.shape[1] for r, *_ in batch)
-            qwidth = max(r.query_len for r, *_ in batch)
-            ids, attn, mask, old_logprobs, old_values, kl, entropy = _stack(batch, width, qwidth,
-                                                                            tokenizer.pad_token_id)  # fmt: skip
-            rewards, non_score = ppo.per_token_rewards(scores, kl, mask, kl_ctl.value)
-            if args.whiten_rewards:
-                rewards = ppo.masked_whiten(rewards, mask, shift_mean=False)
-            advantages, returns = ppo.gae(old_values, rewards, mask, args.gamma, args.lam)
-            advantages = ppo.masked_whiten(advantages, mask)
-            timings["time/forward"] = time.perf_counter() - t0
-
-            # 4. Optimise: ppo_epochs passes of shuffled mini-batches, accumulated micro-batches.
-            t0 = time.perf_counter()
-            model.train()
-            stats: dict[str, list[float]] = {k: [] for k in ["pg_loss", "vf_loss", "clipfrac", "vf_clipfrac",
-                                                              "approx_kl", "ratio", "skipped"]}  # fmt: skip
-            micro = args.mini_batch_size // args.gradient_accumulation_steps
-            for _epoch in range(args.ppo_epochs):
-                perm = torch.randperm(args.batch_size)
-                for m in range(0, args.batch_size, args.mini_batch_size):
-                    for u in range(m, m + args.mini_batch_size, micro):
-                        rows = perm[u : u + micro]
-                        with accelerator.accumulate(model):
-                            logits, values = model(ids[rows], attn[rows])
-                            logits, values = logits[:, qwidth - 1 : -1], values[:, qwidth - 1 : -1]
-                            logprobs = ppo.logprobs_from_logits(logits, ids[rows, qwidth:])
-                            pg = ppo.policy_loss(logprobs, old_logprobs[rows], advantages[rows], mask[rows],
-                                                 args.cliprange)  # fmt: skip
-                            vf_loss, vf_clip = ppo.value_loss(values, old_values[rows], returns[rows], mask[rows],
-                                                              args.cliprange_value)  # fmt: skip
-                            loss = pg.loss + args.vf_coef * vf_loss
-                            skipped = pg.ratio_mean.item() > args.ratio_threshold
-                            if skipped:  # a wildly off-policy batch: keep DDP in step, learn nothing from it
-                                loss = loss * 0.0
-                            if not torch.isfinite(loss):
-                                raise stopped("non-finite loss", step + 1, args)
-                            accelerator.backward(loss)
-                            if accelerator.sync_gradients and args.max_grad_norm > 0:
-                                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            optimizer.step()
-                            optimizer.zero_grad()
-                        for k, v in [("pg_loss", pg.loss), ("vf_loss", vf_loss), ("clipfrac", pg.clipfrac),
-                                     ("vf_clipfrac", vf_clip), ("approx_kl", pg.approx_kl), ("ratio", pg.ratio_mean),
-                                     ("skipped", float(skipped))]:  # fmt: skip
-                            stats[k].append(float(v))
-                if args.early_stopping:  # decided on the mean over ranks, so all ranks stop together
-                    policy_kl = accelerator.reduce(torch.tensor(stats["approx_kl"][-1], device=device), "mean")
-                    if policy_kl > 1.5 * args.target_policy_kl:
-                        break
-            timings["time/optimise"] = time.perf_counter() - t0
-
-            # 5. Bookkeeping: KL controller, metrics, samples, checkpoint.
-            mean_kl = accelerator.reduce((kl * mask).sum(1).mean(), "mean").item()
-            kl_ctl.update(mean_kl, args.batch_size * world)
-            all_scores = accelerator.gather(raw_scores)
-            local = torch.tensor([ppo.masked_mean(entropy, mask).item(), (non_score.sum(1)).mean().item(),
-                                  mask.sum(1).float().mean().item(),
-                                  ppo.explained_variance(old_values, returns, mask)], device=device)  # fmt: skip
-            ent, non_score_mean, resp_len, expl_var = accelerator.reduce(local, "mean").tolist()
-            n_tokens = mask.sum().item() * world
-            row = {"step": step + 1, "env/reward_mean": all_scores.mean().item(),
-                   "env/reward_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
-                   "objective/kl": mean_kl, "objective/kl_coef": kl_ctl.value, "objective/entropy": ent,
-                   "objective/non_score_reward": non_score_mean, "ppo/policy_loss": _avg(stats["pg_loss"]),
-                   "ppo/value_loss": _avg(stats["vf_loss"]), "ppo/clipfrac": _avg(stats["clipfrac"]),
-                   "ppo/value_clipfrac": _avg(stats["vf_clipfrac"]), "ppo/approx_kl": _avg(stats["approx_kl"]),
-                   "ppo/ratio_mean": _avg(stats["ratio"]), "ppo/skipped_batches": sum(stats["skipped"]),
-                   "ppo/explained_variance": expl_var, "env/response_length": resp_len, **timings,
-                   "tokens_per_second": n_tokens / max(sum(timings.values()), 1e-9),
-                   "memory/gpu_peak_mb": gpu_peak_mb()}  # fmt: skip
-            metrics.log(row)
-            accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step + 1)
-            bar.set_postfix(reward=f"{row['env/reward_mean']:.3f}", kl=f"{mean_kl:.3f}")
-            if mean_kl < -1 and not warned_negative_kl and accelerator.is_main_process:
-                warned_negative_kl = True
-                warnings.warn(
-                    f"KL to the reference is strongly negative ({mean_kl:.2f}) at step {step + 1}: the "
-                    "sampling does not match the policy (check top_k/top_p, EOS, padding)",
-                    stacklevel=1,
-                )
-            for which, at in [("first", 0), ("last", args.steps - 1)]:
-                if step == at:
-                    samples[which] = [{"query": q, "response": r, "reward": round(s, 3)} for q, r, s in
-                                      zip(q_texts, r_texts, raw_scores.tolist())][: args.log_samples]  # fmt: skip
-            if args.save_steps and (step + 1) % args.save_steps == 0:
-                save_checkpoint(accelerator, unwrapped, optimizer, checkpoint_root(args) / f"step-{step + 1}",
-                                {"step": step + 1, "kl_controller": kl_ctl.state_dict(), "samples": samples,
-                                 "score_stats": score_stats.state_dict(), "metrics": metrics.rows})  # fmt: skip
-
-        # Every rank must end with the same policy and value head: check, don't assume.
-        trained = {**get_peft_model_state_dict(unwrapped.policy),
-                   **{f"value_head.{k}": v for k, v in unwrapped.value_head.state_dict().items()}}  # fmt: skip
-        digests = check_ranks_in_sync(trained, "LoRA adapter and value head weights")
-        from accelerate.utils import gather_object
-
-        rank_prompts = gather_object([first_prompts])
-        if frozen_digest is not None and tensor_digest(frozen) != frozen_digest:
-            raise RunFailed("a frozen base weight changed during PPO: the reference model is no longer the reference")
-        if accelerator.is_main_process:
-            unwrapped.policy.save_pretrained(out)
-            torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
-            tokenizer.save_pretrained(out)
-            save_run_config(out, model_args, lora_args, prompt_args, reward_args, args)
-            save_run_info(out, {"stage": "ppo", "resolved_model_path": model_path, "world_size": world,
-                                "n_prompts": len(queries), "resumed_from": str(resume) if resume else None,
-                                "rank_weight_digests": digests, "rank_first_prompts": rank_prompts,
-                                "frozen_base_digest": frozen_digest,
-                                "frozen_base_verified": frozen_digest is not None})  # fmt: skip
-            plot_curves(metrics.rows, ["env/reward_mean", "objective/kl", "objective/kl_coef", "ppo/value_loss"],
-                        out / "ppo_curves.png", title=f"PPO on {model_args.model_name_or_path}")  # fmt: skip
-            (out / "samples.md").write_text(samples_table(samples))
-            rewards_seen = [r["env/reward_mean"] for r in metrics.rows]
-            print(f"PPO done: reward {rewards_seen[0]:.3f} -> {rewards_seen[-1]:.3f} over {len(rewards_seen)} steps")
-            print(samples_table(samples))
-    accelerator.end_training()  # closes trackers, and in accelerate 1.16 the process group: keep it last
+    set_peft_model_state_dict(run.unwrapped.policy, load_file(path / "adapter" / "adapter_model.safetensors"))
+    value_head = torch.load(path / "value_head.pt", map_location=run.device, weights_only=True)
+    run.unwrapped.value_head.load_state_dict(value_head)
+    state = json.loads((path / STATE_FILE).read_text())
+    run.start_step, run.samples = state["step"], state["samples"]
+    run.kl_ctl.load_state_dict(state["kl_controller"])
+    run.score_stats.load_state_dict(state["score_stats"])
+    for row in state["metrics"]:
+        run.metrics.log(row)
 
 
-def _avg(xs: list[float]) -> float:
-    return sum(xs) / max(len(xs), 1)
-
-
-def _stack(batch: list, width: int, qwidth: int, pad: int) -> tuple[torch.Tensor, ...]:
-    """Pad every rollout chunk to one (query, response) layout and concatenate along the batch."""
-    cols: list[list[torch.Tensor]] = [[] for _ in range(7)]
-    for r, logprobs, values, kl, entropy in batch:
-        qpad, rpad = qwidth - r.query_len, width - r.response_mask.shape[1]
-        ids = nn.functional.pad(r.input_ids, (qpad, rpad), value=pad)
-        attn = nn.functional.pad(r.attention_mask, (qpad, rpad), value=0)
-        per_token = [nn.functional.pad(t, (0, rpad)) for t in (r.response_mask.float(), logprobs, values, kl, entropy)]
-        for col, t in zip(cols, [ids, attn, *per_token]):
-            col.append(t)
-    return tuple(torch.cat(c) for c in cols)
-
-
-def save_checkpoint(accelerator, unwrapped: PolicyAndValue, optimizer, path: Path, state: dict) -> None:
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+def save_checkpoint(run: Run, step: int) -> None:
+    """Adapter, value head, optimizer and run state to `step-N/`, written aside and renamed into place."""
+    path = checkpoint_root(run.args.output_dir) / f"step-{step}"
+    state = {
+        "step": step,
+        "kl_controller": run.kl_ctl.state_dict(),
+        "samples": run.samples,
+        "score_stats": run.score_stats.state_dict(),
+        "metrics": run.metrics.rows,
+    }
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.is_main_process:
         staging = path.with_name(path.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        unwrapped.policy.save_pretrained(staging / "adapter")
-        torch.save(unwrapped.value_head.state_dict(), staging / "value_head.pt")
-        torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-        (staging / "trainer_state.json").write_text(json.dumps(state))
+        run.unwrapped.policy.save_pretrained(staging / "adapter")
+        torch.save(run.unwrapped.value_head.state_dict(), staging / "value_head.pt")
+        torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
+        (staging / STATE_FILE).write_text(json.dumps(state))
         shutil.rmtree(path, ignore_errors=True)
         staging.rename(path)
-    accelerator.wait_for_everyone()
+    run.accelerator.wait_for_everyone()
+
+
+def prepare(run: Run) -> None:
+    """Wrap for DDP (where launched so), restore the optimizer state, start the trackers."""
+    run.model, run.optimizer = run.accelerator.prepare(run.unwrapped, run.optimizer)
+    if run.resume is not None:
+        optimizer_state = torch.load(run.resume / "optimizer.pt", map_location=run.device, weights_only=False)
+        run.optimizer.load_state_dict(optimizer_state)
+    run.unwrapped = run.accelerator.unwrap_model(run.model)
+    if run.args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
+        flat = config_dict(run.model_args, run.lora_args, run.prompt_args, run.reward_args, run.args, run.demo_args)
+        hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
+        run.accelerator.init_trackers("fitrl-ppo", hparams)
+
+
+# --- the phases of one step -----------------------------------------------------------------------
+
+
+def rollout(run: Run, step: int) -> list[Rollout]:
+    """Phase 1: this rank's prompts for `step`, and a sampled response of drawn length for each."""
+    args, accelerator = run.args, run.accelerator
+    idx = batch_queries(
+        run.queries, step, accelerator.process_index, accelerator.num_processes, args.batch_size, args.seed
+    )
+    run.first_prompts = run.first_prompts or idx[:4]
+    low, high = run.prompt_args.response_min_tokens, run.prompt_args.response_max_tokens
+    lengths = torch.randint(low, high + 1, (args.batch_size,)).tolist()
+    chunks = [slice(c, c + args.forward_batch_size) for c in range(0, args.batch_size, args.forward_batch_size)]
+    return [
+        sample_responses(
+            run.unwrapped.policy,
+            run.tokenizer,
+            [run.queries[i] for i in idx[c]],
+            lengths[c],
+            run.prompt_args.stop_at_eos,
+            run.device,
+        )
+        for c in chunks
+    ]
+
+
+def score(run: Run, rollouts: list[Rollout], step: int) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
+    """Phase 2: the classifier reads the decoded text with its own tokenizer; scores scaled and clipped.
+
+    Returns the raw scores (B,) as logged, the scores the reward uses (B,), and the query/response texts.
+    """
+    args = run.args
+    texts = [decode(run.tokenizer, r) for r in rollouts]
+    q_texts = [q for qs, _ in texts for q in qs]
+    r_texts = [r for _, rs in texts for r in rs]
+    raw = run.reward([q + r for q, r in zip(q_texts, r_texts)]).to(run.device)  # (B,)
+    if not torch.isfinite(raw).all():
+        raise stopped("non-finite reward", step + 1, args)
+    scores = raw
+    if args.score_scaling != "none":
+        run.score_stats.update(run.accelerator.gather(raw).cpu())
+        shift = run.score_stats.mean if args.score_scaling == "normalize" else 0.0
+        scores = (raw - shift) / (run.score_stats.std + 1e-8)
+    if args.score_clip is not None:
+        scores = scores.clamp(-args.score_clip, args.score_clip)
+    return raw, scores, q_texts, r_texts
+
+
+@torch.no_grad()
+def make_experience(run: Run, rollouts: list[Rollout], scores: torch.Tensor) -> tuple[Experience, torch.Tensor]:
+    """Phase 3: old log-probs, values and reference log-probs (adapter off) in one no-grad pass; then
+    per-token rewards, GAE and whitened advantages. Returns the experience and the KL part of the
+    reward (B, R).
+
+    In eval mode: dropout here would make the first PPO ratio differ from 1 for no reason.
+    """
+    args, policy = run.args, run.unwrapped.policy
+    run.unwrapped.eval()
+    parts = []
+    for r in rollouts:
+        logits, values = run.unwrapped(r.input_ids, r.attention_mask)
+        with policy.disable_adapter():
+            ref_logits = forward(policy, r).logits
+        logits, ref_logits = response_slice(logits, r), response_slice(ref_logits, r)  # (B, R, V)
+        logprobs = ppo.logprobs_from_logits(logits, r.responses)  # (B, R)
+        ref_logprobs = ppo.logprobs_from_logits(ref_logits, r.responses)
+        parts.append(
+            Experience(
+                input_ids=r.input_ids,
+                attention_mask=r.attention_mask,
+                response_mask=r.response_mask.float(),
+                logprobs=logprobs,
+                values=response_slice(values, r),
+                kl=ppo.kl_penalty(logprobs, ref_logprobs, args.kl_estimator, logits, ref_logits),
+                entropy=ppo.entropy_from_logits(logits),
+                query_len=r.query_len,
+            )
+        )
+    exp = Experience.cat(parts, run.tokenizer.pad_token_id)
+    rewards, non_score = ppo.per_token_rewards(scores, exp.kl, exp.response_mask, run.kl_ctl.value)
+    if args.whiten_rewards:
+        rewards = ppo.masked_whiten(rewards, exp.response_mask, shift_mean=False)
+    advantages, returns = ppo.gae(exp.values, rewards, exp.response_mask, args.gamma, args.lam)
+    exp.advantages, exp.returns = ppo.masked_whiten(advantages, exp.response_mask), returns
+    return exp, non_score
+
+
+def ppo_update(run: Run, exp: Experience, step: int) -> dict[str, float]:
+    """Phase 4: `ppo_epochs` passes of shuffled mini-batches of accumulated micro-batches.
+
+    Statistics stay on the device and are read once at the end, so the loop never waits on the host.
+    """
+    args, accelerator, model, optimizer = run.args, run.accelerator, run.model, run.optimizer
+    model.train()
+    stats: dict[str, list[torch.Tensor]] = {k: [] for k in STAT_KEYS}
+    finite = torch.ones((), dtype=torch.bool, device=run.device)
+    micro = args.mini_batch_size // args.gradient_accumulation_steps
+    q = exp.query_len
+    for _epoch in range(args.ppo_epochs):
+        perm = torch.randperm(args.batch_size)
+        epoch_start = len(stats["approx_kl"])
+        for u in range(0, args.batch_size, micro):
+            mb = exp.select(perm[u : u + micro])
+            with accelerator.accumulate(model):
+                logits, values = model(mb.input_ids, mb.attention_mask)
+                logits, values = logits[:, q - 1 : -1], values[:, q - 1 : -1]
+                logprobs = ppo.logprobs_from_logits(logits, mb.responses)
+                pg = ppo.policy_loss(logprobs, mb.logprobs, mb.advantages, mb.response_mask, args.cliprange)
+                vf_loss, vf_clip = ppo.value_loss(values, mb.values, mb.returns, mb.response_mask, args.cliprange_value)
+                loss = pg.loss + args.vf_coef * vf_loss
+                # A wildly off-policy batch: learn nothing from it, but still step, to keep DDP in step.
+                skipped = pg.ratio_mean.detach() > args.ratio_threshold
+                loss = torch.where(skipped, loss * 0.0, loss)
+                finite &= torch.isfinite(loss.detach())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            for k, v in zip(
+                STAT_KEYS, [pg.loss, vf_loss, pg.clipfrac, vf_clip, pg.approx_kl, pg.ratio_mean, skipped.float()]
+            ):
+                stats[k].append(v.detach())
+        if args.early_stopping:  # the epoch's mean policy KL, averaged over ranks, so all ranks stop together
+            epoch_kl = torch.stack(stats["approx_kl"][epoch_start:]).mean()
+            if accelerator.reduce(epoch_kl, "mean") > 1.5 * args.target_policy_kl:
+                break
+    if not finite:
+        raise stopped("non-finite loss", step + 1, args)
+    per_batch = torch.stack([torch.stack(stats[k]) for k in STAT_KEYS]).tolist()  # one host sync per step
+    return {k: sum(v) / len(v) if k != "skipped" else sum(v) for k, v in zip(STAT_KEYS, per_batch)}
+
+
+def log_step(
+    run: Run,
+    step: int,
+    exp: Experience,
+    non_score: torch.Tensor,
+    raw_scores: torch.Tensor,
+    stats: dict[str, float],
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """Phase 5: update the KL controller, and log the step's metrics reduced over ranks."""
+    accelerator, world, mask = run.accelerator, run.accelerator.num_processes, exp.response_mask
+    mean_kl = accelerator.reduce((exp.kl * mask).sum(1).mean(), "mean").item()
+    run.kl_ctl.update(mean_kl, run.args.batch_size * world)
+    all_scores = accelerator.gather(raw_scores)
+    local = torch.tensor(
+        [
+            ppo.masked_mean(exp.entropy, mask).item(),
+            (non_score.sum(1)).mean().item(),
+            mask.sum(1).float().mean().item(),
+            ppo.explained_variance(exp.values, exp.returns, mask),
+        ],
+        device=run.device,
+    )
+    ent, non_score_mean, resp_len, expl_var = accelerator.reduce(local, "mean").tolist()
+    n_tokens = mask.sum().item() * world
+    row = {
+        "step": step + 1,
+        "env/reward_mean": all_scores.mean().item(),
+        "env/reward_std": all_scores.std().item() if len(all_scores) > 1 else 0.0,
+        "objective/kl": mean_kl,
+        "objective/kl_coef": run.kl_ctl.value,
+        "objective/entropy": ent,
+        "objective/non_score_reward": non_score_mean,
+        "ppo/policy_loss": stats["pg_loss"],
+        "ppo/value_loss": stats["vf_loss"],
+        "ppo/clipfrac": stats["clipfrac"],
+        "ppo/value_clipfrac": stats["vf_clipfrac"],
+        "ppo/approx_kl": stats["approx_kl"],
+        "ppo/ratio_mean": stats["ratio"],
+        "ppo/skipped_batches": stats["skipped"],
+        "ppo/explained_variance": expl_var,
+        "env/response_length": resp_len,
+        **timings,
+        "tokens_per_second": n_tokens / max(sum(timings.values()), 1e-9),
+        "memory/gpu_peak_mb": gpu_peak_mb(),
+    }
+    run.metrics.log(row)
+    accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step + 1)
+    if mean_kl < -1 and not run.warned_negative_kl and accelerator.is_main_process:
+        run.warned_negative_kl = True
+        warnings.warn(
+            f"KL to the reference is strongly negative ({mean_kl:.2f}) at step {step + 1}: the "
+            "sampling does not match the policy (check top_k/top_p, EOS, padding)",
+            stacklevel=1,
+        )
+    return row
+
+
+def keep_samples(run: Run, step: int, q_texts: list[str], r_texts: list[str], raw_scores: torch.Tensor) -> None:
+    for which, at in [("first", 0), ("last", run.args.steps - 1)]:
+        if step == at:
+            rows = zip(q_texts, r_texts, raw_scores.tolist())
+            run.samples[which] = [{"query": q, "response": r, "reward": round(s, 3)} for q, r, s in rows][
+                : run.args.log_samples
+            ]
+
+
+def train_step(run: Run, step: int) -> dict[str, Any]:
+    """One PPO step, phase by phase, timed."""
+    torch.manual_seed(step_seed(run.args.seed, step, run.accelerator.process_index))
+    timings, t0 = {}, time.perf_counter()
+    rollouts = rollout(run, step)
+    timings["time/generate"], t0 = time.perf_counter() - t0, time.perf_counter()
+    raw_scores, scores, q_texts, r_texts = score(run, rollouts, step)
+    timings["time/score"], t0 = time.perf_counter() - t0, time.perf_counter()
+    exp, non_score = make_experience(run, rollouts, scores)
+    timings["time/forward"], t0 = time.perf_counter() - t0, time.perf_counter()
+    stats = ppo_update(run, exp, step)
+    timings["time/optimise"] = time.perf_counter() - t0
+    row = log_step(run, step, exp, non_score, raw_scores, stats, timings)
+    keep_samples(run, step, q_texts, r_texts, raw_scores)
+    if run.args.save_steps and (step + 1) % run.args.save_steps == 0:
+        save_checkpoint(run, step + 1)
+    return row
+
+
+# --- the end --------------------------------------------------------------------------------------
+
+
+def finish(run: Run) -> None:
+    """Check the ranks agree and the base did not move, then write the policy, value head and report."""
+    from accelerate.utils import gather_object
+    from peft import get_peft_model_state_dict
+
+    unwrapped, out = run.unwrapped, run.out
+    # Every rank must end with the same policy and value head: check, don't assume.
+    value_head = {f"value_head.{k}": v for k, v in unwrapped.value_head.state_dict().items()}
+    trained = {**get_peft_model_state_dict(unwrapped.policy), **value_head}
+    digests = check_ranks_in_sync(trained, "LoRA adapter and value head weights")
+    rank_prompts = gather_object([run.first_prompts])
+    if run.frozen_digest is not None and tensor_digest(run.frozen) != run.frozen_digest:
+        raise RunFailed("a frozen base weight changed during PPO: the reference model is no longer the reference")
+    if not run.accelerator.is_main_process:
+        return
+    unwrapped.policy.save_pretrained(out)
+    torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
+    run.tokenizer.save_pretrained(out)
+    save_run_config(out, run.model_args, run.lora_args, run.prompt_args, run.reward_args, run.args, run.demo_args)
+    info = {
+        "stage": "ppo",
+        "resolved_model_path": run.model_path,
+        "world_size": run.accelerator.num_processes,
+        "n_prompts": len(run.queries),
+        "resumed_from": str(run.resume) if run.resume else None,
+        "rank_weight_digests": digests,
+        "rank_first_prompts": rank_prompts,
+        "frozen_base_digest": run.frozen_digest,
+        "frozen_base_verified": run.frozen_digest is not None,
+    }
+    save_run_info(out, info)
+    curves = ["env/reward_mean", "objective/kl", "objective/kl_coef", "ppo/value_loss"]
+    plot_curves(run.metrics.rows, curves, out / "ppo_curves.png", title=f"PPO on {run.model_args.model_name_or_path}")
+    (out / "samples.md").write_text(samples_table(run.samples))
+    rewards_seen = [r["env/reward_mean"] for r in run.metrics.rows]
+    print(f"PPO done: reward {rewards_seen[0]:.3f} -> {rewards_seen[-1]:.3f} over {len(rewards_seen)} steps")
+    print(samples_table(run.samples))
 
 
 def samples_table(samples: dict) -> str:
@@ -451,9 +642,33 @@ def samples_table(samples: dict) -> str:
             continue
         lines += [f"\n### {which} step\n", "| query | response | reward |", "|---|---|---|"]
         for s in samples[which]:
-            q, r = (x.replace("|", "\\|").replace("\n", " ") for x in (s["query"], s["response"]))
-            lines.append(f"| {q} | {r} | {s['reward']:.3f} |")
+            lines.append(f"| {markdown_cell(s['query'])} | {markdown_cell(s['response'])} | {s['reward']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    from tqdm.auto import tqdm
+
+    run = preflight(parse_config(CONFIG_TYPES, argv))
+    args, accelerator = run.args, run.accelerator
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as run.out:
+        build(run)
+        if run.resume is not None:
+            load_checkpoint(run, run.resume)
+        prepare(run)
+        bar = tqdm(
+            range(run.start_step, args.steps),
+            desc="PPO",
+            disable=not accelerator.is_main_process,
+            initial=run.start_step,
+            total=args.steps,
+        )
+        for step in bar:
+            row = train_step(run, step)
+            bar.set_postfix(reward=f"{row['env/reward_mean']:.3f}", kl=f"{row['objective/kl']:.3f}")
+        finish(run)
+    accelerator.end_training()  # closes trackers, and in accelerate 1.16 the process group: keep it last
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Literal
 
 from fitrl.config import check, entrypoint, help_field, parse_config, save_run_config, save_run_info
 from fitrl.data import load_text_dataset
+from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
@@ -74,18 +75,18 @@ class SFTArguments:
         check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
 
 
-CONFIG_TYPES = [ModelArguments, LoraArguments, SFTArguments]
+CONFIG_TYPES = [ModelArguments, LoraArguments, SFTArguments, DemoArguments]
 
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, lora_args, args = parse_config(CONFIG_TYPES, argv)
+    model_args, lora_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
 
     # Check every input before loading anything heavy: a typo should cost a second, not a model load.
     check_output_dir(args.output_dir, args.overwrite_output_dir)
-    model_path = resolve_model_path(model_args.model_name_or_path, model_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     dataset = load_text_dataset(
-        args.dataset, args.dataset_split, args.text_column, model_args.demo_cache_dir, args.max_samples
+        args.dataset, args.dataset_split, args.text_column, demo_args.demo_cache_dir, args.max_samples
     )
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         if trainer.is_world_process_zero():
             trainer.save_model(str(out))  # the adapter only: adapter_config.json + adapter_model.safetensors
             tokenizer.save_pretrained(out)
-            save_run_config(out, model_args, lora_args, args)
+            save_run_config(out, model_args, lora_args, args, demo_args)
             save_run_info(
                 out,
                 {

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fitrl import demo
+from fitrl.outputs import read_jsonl
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -21,8 +22,8 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def test_assets_are_built_and_complete(demo_root: Path) -> None:
-    train = demo.read_jsonl(demo_root / "reviews" / "train.jsonl")
-    test = demo.read_jsonl(demo_root / "reviews" / "test.jsonl")
+    train = read_jsonl(demo_root / "reviews" / "train.jsonl")
+    test = read_jsonl(demo_root / "reviews" / "test.jsonl")
     assert len(train) + len(test) >= 2000
     assert {r["label"] for r in train} == {0, 1}
     assert abs(sum(r["label"] for r in train) / len(train) - 0.5) < 0.05
@@ -35,7 +36,7 @@ def test_assets_are_built_and_complete(demo_root: Path) -> None:
 
 def test_arithmetic_set_is_gsm8k_shaped_and_correct(demo_root: Path) -> None:
     for split in ["train", "test"]:
-        rows = demo.read_jsonl(demo_root / "arithmetic" / f"{split}.jsonl")
+        rows = read_jsonl(demo_root / "arithmetic" / f"{split}.jsonl")
         assert len(rows) >= 200
         for r in rows:
             assert set(r) == {"question", "answer"}
@@ -56,7 +57,7 @@ def test_classifier_reaches_accuracy_bar_on_held_out_reviews(demo_root: Path) ->
     model = AutoModelForSequenceClassification.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     assert model.config.id2label == {0: "NEGATIVE", 1: "POSITIVE"}
-    test = demo.read_jsonl(demo_root / "reviews" / "test.jsonl")
+    test = read_jsonl(demo_root / "reviews" / "test.jsonl")
     with torch.no_grad():
         enc = tok([r["text"] for r in test], padding=True, truncation=True, return_tensors="pt")
         pred = model(**enc).logits.argmax(-1)
@@ -71,11 +72,11 @@ def test_second_call_reuses_cache(demo_cache: Path, demo_root: Path) -> None:
 
 
 def test_asset_uris(demo_cache: Path, demo_root: Path) -> None:
-    assert demo.asset_path("demo://lm", demo_cache) == demo_root / "lm"
+    assert demo.resolve("demo://lm", demo_cache) == demo_root / "lm"
     from fitrl.config import UsageError
 
     with pytest.raises(UsageError, match="unknown demo asset"):
-        demo.asset_path("demo://nope", demo_cache)
+        demo.resolve("demo://nope", demo_cache)
 
 
 @pytest.mark.slow

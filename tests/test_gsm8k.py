@@ -7,18 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from fitrl.answer_format import ensure_chat_template, format_solution, prompt_messages, render_prompt
 from fitrl.config import UsageError
 from fitrl.distributed import tensor_digest
-from fitrl.gsm8k import (
-    GSM8KDataArguments,
-    add_prompts,
-    ensure_chat_template,
-    format_solution,
-    load_problems,
-    prompt_messages,
-    render_prompt,
-)
-from fitrl.outputs import read_metrics
+from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
+from fitrl.outputs import read_jsonl
 from fitrl.rewards import is_correct, is_strict_format
 
 from conftest import CONFIGS, accelerate_launch, error_line, run_script
@@ -93,23 +86,33 @@ def test_demo_reasoner_has_learned_the_format(demo_root: Path) -> None:
     """GRPO needs a start that sometimes earns the format reward: the demo's reasoner mostly does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fitrl.demo import read_jsonl
-    from fitrl.gsm8k import generate
+    from fitrl.outputs import read_jsonl
+    from fitrl.rollout import complete_chats
 
     tok = AutoTokenizer.from_pretrained(demo_root / "reasoner")
     tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(demo_root / "reasoner")
     problems = read_jsonl(demo_root / "arithmetic" / "test.jsonl")[:32]
-    completions = generate(model, tok, [prompt_messages(p["question"]) for p in problems], 96, batch_size=32)
+    completions = complete_chats(model, tok, [prompt_messages(p["question"]) for p in problems], 96, batch_size=32)
     assert sum(is_strict_format(c[0]) for c in completions) >= 16
 
 
 # --- the scripts, as a user runs them -------------------------------------------------------------
 
 SMOKE = [
-    "--max_steps", "3", "--per_device_train_batch_size", "8", "--num_generations", "4",
-    "--max_completion_length", "48", "--max_samples", "64", "--num_samples_to_show", "2",
-]  # fmt: skip
+    "--max_steps",
+    "3",
+    "--per_device_train_batch_size",
+    "8",
+    "--num_generations",
+    "4",
+    "--max_completion_length",
+    "48",
+    "--max_samples",
+    "64",
+    "--num_samples_to_show",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +120,19 @@ def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Pa
     """A 3-step GRPO run on the demo: 8-bit frozen base, LoRA, a KL term to the adapter-off reference."""
     out = tmp_path_factory.mktemp("grpo") / "run"
     result = run_script(
-        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
-        "--output_dir", out, "--beta", "0.1", "--save_steps", "2", *SMOKE,
-    )  # fmt: skip
+        "grpo_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "grpo.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        "--beta",
+        "0.1",
+        "--save_steps",
+        "2",
+        *SMOKE,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return out
 
@@ -128,13 +141,26 @@ def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Pa
 def test_grpo_smoke_run_in_8bit_with_lora(grpo_smoke: Path) -> None:
     from safetensors.torch import load_file
 
-    for name in ["adapter_model.safetensors", "adapter_config.json", "run_config.yaml", "run_info.json",
-                 "grpo_curves.png", "samples.md", "tokenizer_config.json"]:  # fmt: skip
+    for name in [
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "run_config.yaml",
+        "run_info.json",
+        "grpo_curves.png",
+        "samples.md",
+        "tokenizer_config.json",
+    ]:
         assert (grpo_smoke / name).is_file(), name
-    rows = [r for r in read_metrics(grpo_smoke / "metrics.jsonl") if "reward" in r]
+    rows = [r for r in read_jsonl(grpo_smoke / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ["rewards/strict_format_reward/mean", "rewards/soft_format_reward/mean",
-                "rewards/accuracy_reward/mean", "completions/mean_length", "kl", "peak_memory_mb"]:  # fmt: skip
+    for key in [
+        "rewards/strict_format_reward/mean",
+        "rewards/soft_format_reward/mean",
+        "rewards/accuracy_reward/mean",
+        "completions/mean_length",
+        "kl",
+        "peak_memory_mb",
+    ]:
         assert all(isinstance(r[key], (int, float)) for r in rows), key
     assert rows[-1]["kl"] > 0  # the reference (adapter off) really differs from the trained policy
     # LoRA's B starts at zero: a non-zero B means the adapter was trained
@@ -152,12 +178,25 @@ def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_cache: Path, tmp_
     checkpoint = grpo_smoke.with_name("run.checkpoints") / "checkpoint-2"
     out = tmp_path / "resumed"
     result = run_script(
-        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
-        "--output_dir", out, "--beta", "0.1", "--resume_from_checkpoint", checkpoint,
-        *SMOKE[:-2], "--num_samples_to_show", "0", "--max_steps", "4",
-    )  # fmt: skip
+        "grpo_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "grpo.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        "--beta",
+        "0.1",
+        "--resume_from_checkpoint",
+        checkpoint,
+        *SMOKE[:-2],
+        "--num_samples_to_show",
+        "0",
+        "--max_steps",
+        "4",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    steps = [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
     assert steps == [3, 4]  # steps 1-2 came from the checkpoint
     assert json.loads((out / "run_info.json").read_text())["resumed_from"] == str(checkpoint)
 
@@ -168,10 +207,20 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
 
     out = tmp_path / "ddp"
     result = run_script(
-        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
-        "--output_dir", out, *SMOKE[:-2], "--num_samples_to_show", "0", "--max_steps", "2",
+        "grpo_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "grpo.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        *SMOKE[:-2],
+        "--num_samples_to_show",
+        "0",
+        "--max_steps",
+        "2",
         launcher=accelerate_launch(2),
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     info = json.loads((out / "run_info.json").read_text())
     assert info["world_size"] == 2
@@ -186,16 +235,32 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
 def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
     data = write_jsonl(
         tmp_path / "test.jsonl",
-        [{"question": "Mia has 4 apples. Mia gets 3 more. How many apples does Mia have now?", "answer": "#### 7"},
-         {"question": "Name a colour.", "answer": "#### blue"},
-         {"question": "Leo has 9 books and gives away 2. How many books are left?", "answer": "#### 7"}],
-    )  # fmt: skip
+        [
+            {"question": "Mia has 4 apples. Mia gets 3 more. How many apples does Mia have now?", "answer": "#### 7"},
+            {"question": "Name a colour.", "answer": "#### blue"},
+            {"question": "Leo has 9 books and gives away 2. How many books are left?", "answer": "#### 7"},
+        ],
+    )
     out = tmp_path / "eval"
     result = run_script(
-        "evaluate_gsm8k.py", "--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache,
-        "--dataset", data, "--adapter", grpo_smoke, "--output_dir", out,
-        "--num_samples", "3", "--temperature", "1.0", "--max_new_tokens", "48",
-    )  # fmt: skip
+        "evaluate_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "eval_gsm8k.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--dataset",
+        data,
+        "--adapter",
+        grpo_smoke,
+        "--output_dir",
+        out,
+        "--num_samples",
+        "3",
+        "--temperature",
+        "1.0",
+        "--max_new_tokens",
+        "48",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "skipped 1 problems whose gold answer is not a number" in result.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -213,11 +278,18 @@ def test_grpo_raises_the_demo_reward(tmp_path: Path, demo_cache: Path) -> None:
     """The learning test: the demo profile as shipped, and the mean reward must really climb."""
     out = tmp_path / "grpo"
     result = run_script(
-        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
-        "--output_dir", out, "--num_samples_to_show", "0",
-    )  # fmt: skip
+        "grpo_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "grpo.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        "--num_samples_to_show",
+        "0",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward" in r]
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
 
     def first_and_last_fifth(key: str) -> tuple[float, float]:
         values = [r[key] for r in rows]
@@ -250,9 +322,15 @@ LEARNING_MARGIN = 0.07
 def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[str], message: str) -> None:
     out = tmp_path / "never"
     result = run_script(
-        "grpo_gsm8k.py", "--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache,
-        "--output_dir", out, *args,
-    )  # fmt: skip
+        "grpo_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "grpo.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        *args,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert message in error_line(result)
     assert not out.exists() and not out.with_name(".never.partial").exists()
@@ -263,9 +341,17 @@ def test_scripts_reject_data_without_gsm8k_answers(tmp_path: Path, demo_cache: P
     data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "4"}])
     config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
     result = run_script(
-        script, "--config", CONFIGS / "demo" / f"{config}.yaml", "--demo_cache_dir", demo_cache,
-        "--dataset", data, "--output_dir", tmp_path / "out", *extra,
-    )  # fmt: skip
+        script,
+        "--config",
+        CONFIGS / "demo" / f"{config}.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--dataset",
+        data,
+        "--output_dir",
+        tmp_path / "out",
+        *extra,
+    )
     assert result.returncode == 2
     assert "row 0: answer has no '#### <number>' line" in error_line(result)
     assert not (tmp_path / "out").exists()
@@ -273,8 +359,15 @@ def test_scripts_reject_data_without_gsm8k_answers(tmp_path: Path, demo_cache: P
 
 def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_cache: Path) -> None:
     result = run_script(
-        "evaluate_gsm8k.py", "--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache,
-        "--adapter", tmp_path / "nothing", "--output_dir", tmp_path / "out",
-    )  # fmt: skip
+        "evaluate_gsm8k.py",
+        "--config",
+        CONFIGS / "demo" / "eval_gsm8k.yaml",
+        "--demo_cache_dir",
+        demo_cache,
+        "--adapter",
+        tmp_path / "nothing",
+        "--output_dir",
+        tmp_path / "out",
+    )
     assert result.returncode == 2
     assert "has no adapter_config.json" in error_line(result)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fitrl.config import load_run_info
+from fitrl.config import UsageError, load_run_info
 
 from conftest import error_line, load_script, run_script
 
@@ -30,11 +30,25 @@ def _tiny(arch: str, tmp: Path, big: bool = False) -> Path:
     torch.manual_seed(0)
     h, layers, vocab = (384, 8, 8000) if big else (32, 2, 128)
     if arch == "gpt_neox":
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
-                                                 num_attention_heads=4, intermediate_size=4 * h))  # fmt: skip
+        model = GPTNeoXForCausalLM(
+            GPTNeoXConfig(
+                vocab_size=vocab,
+                hidden_size=h,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                intermediate_size=4 * h,
+            )
+        )
     elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers,
-                                             num_attention_heads=4, intermediate_size=2 * h))  # fmt: skip
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=h,
+                num_hidden_layers=layers,
+                num_attention_heads=4,
+                intermediate_size=2 * h,
+            )
+        )
     else:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=h, n_layer=layers, n_head=4))
     path = tmp / f"base-{arch}"
@@ -57,8 +71,19 @@ def _adapter(base: Path, tmp: Path, targets: list[str], **lora_kwargs) -> Path:
 
 def _run(tmp: Path, base: Path, adapter: Path, name: str, *extra: str) -> Path:
     out = tmp / name
-    merge.main(["--adapter_dir", str(adapter), "--base_model", str(base), "--output_dir", str(out),
-                "--dtype", "float32", *extra])  # fmt: skip
+    merge.main(
+        [
+            "--adapter_dir",
+            str(adapter),
+            "--base_model",
+            str(base),
+            "--output_dir",
+            str(out),
+            "--dtype",
+            "float32",
+            *extra,
+        ]
+    )
     return out
 
 
@@ -121,8 +146,19 @@ def test_streaming_peak_memory_is_well_below_in_memory(tmp_path: Path) -> None:
     peaks = {}
     for method in ["streaming", "in_memory"]:
         out = tmp_path / method
-        result = run_script("merge_adapter.py", "--adapter_dir", adapter, "--base_model", base, "--output_dir", out,
-                            "--dtype", "float32", "--method", method)  # fmt: skip
+        result = run_script(
+            "merge_adapter.py",
+            "--adapter_dir",
+            adapter,
+            "--base_model",
+            base,
+            "--output_dir",
+            out,
+            "--dtype",
+            "float32",
+            "--method",
+            method,
+        )
         assert result.returncode == 0, result.stderr[-2000:]
         peaks[method] = load_run_info(out)["peak_rss_increase_mb"]
     assert peaks["streaming"] < 0.35 * peaks["in_memory"], peaks
@@ -150,8 +186,9 @@ def test_bad_inputs_exit_2_and_leave_nothing(tmp_path: Path) -> None:
     wide = tmp_path / "wide"
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128)).save_pretrained(wide)  # fmt: skip
+    GPTNeoXForCausalLM(
+        GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    ).save_pretrained(wide)
     assert "does not fit base weight" in _bad(tmp_path, adapter, wide, "--force", "true")
 
     shard = sorted(base.glob("*.safetensors"))[1]
@@ -183,3 +220,24 @@ def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
     assert exit_info.value.code == 2
     _run(tmp_path, base, adapter, "once", "--overwrite_output_dir", "true")
     assert (out / "config.json").is_file()
+
+
+def test_lora_delta_matches_hand_computed_values() -> None:
+    """scaling * B @ A, with the scalings peft uses (alpha / r, rsLoRA's alpha / sqrt(r), rank patterns)."""
+    from fitrl.merge import delta, lora_changes, merge_tensor
+
+    a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]])  # A: (r=1, in=2), B: (out=2, r=1)
+    weights = {"base_model.model.blk.q.lora_A.weight": a, "base_model.model.blk.q.lora_B.weight": b}
+    product = [[3.0, 6.0], [4.0, 8.0]]  # B @ A
+
+    def change(**config: object) -> dict:
+        return lora_changes({"r": 1, "lora_alpha": 2, **config}, weights)["blk.q.weight"]
+
+    assert delta(change()).tolist() == [[2 * x for x in row] for row in product]  # alpha / r = 2
+    assert delta(change(r=4, use_rslora=True)).tolist() == product  # 2 / sqrt(4) = 1
+    assert delta(change(r=8, rank_pattern={"q": 2})).tolist() == product  # the pattern's r wins: 2 / 2
+    assert delta(change(fan_in_fan_out=True)).tolist() == [[6.0, 8.0], [12.0, 16.0]]  # Conv1D: (in, out)
+    merged = merge_tensor("blk.q.weight", torch.ones(2, 2), change(), torch.float16)
+    assert merged.dtype == torch.float16 and merged.tolist() == [[7.0, 13.0], [9.0, 17.0]]
+    with pytest.raises(UsageError, match="does not fit base weight"):
+        merge_tensor("blk.q.weight", torch.ones(3, 2), change(), torch.float16)

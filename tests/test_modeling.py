@@ -20,16 +20,14 @@ from fitrl.modeling import (
 
 
 def _args(demo_cache: Path, quantization: str = "8bit") -> ModelArguments:
-    return ModelArguments(
-        model_name_or_path="demo://lm", quantization=quantization, dtype="float32", demo_cache_dir=str(demo_cache)
-    )
+    return ModelArguments(model_name_or_path="demo://lm", quantization=quantization, dtype="float32")
 
 
 def test_8bit_base_loads_and_lora_trains_on_cpu(demo_cache: Path) -> None:
     """The real recipe's code path: int8 frozen base, LoRA + 8-bit AdamW, one update on a CPU."""
     import bitsandbytes as bnb
 
-    model = load_causal_lm(_args(demo_cache), gradient_checkpointing=True)
+    model = load_causal_lm(_args(demo_cache), demo_cache_dir=str(demo_cache), gradient_checkpointing=True)
     int8_layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
     assert int8_layers and int8_layers[0].weight.dtype == torch.int8
     model = add_lora(model, LoraArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0))
@@ -50,7 +48,7 @@ def test_8bit_base_loads_and_lora_trains_on_cpu(demo_cache: Path) -> None:
 
 
 def test_4bit_base_loads_and_runs_on_cpu(demo_cache: Path) -> None:
-    model = load_causal_lm(_args(demo_cache, "4bit"), for_training=False)
+    model = load_causal_lm(_args(demo_cache, "4bit"), demo_cache_dir=str(demo_cache), for_training=False)
     assert getattr(model, "is_loaded_in_4bit", False)
     out = model(input_ids=torch.randint(0, model.config.vocab_size, (1, 8)))
     assert torch.isfinite(out.logits).all()
@@ -77,7 +75,7 @@ def test_llama_style_model_gets_q_v_lora(tmp_path: Path) -> None:
 
 
 def test_lora_target_that_matches_nothing_is_a_usage_error(demo_cache: Path) -> None:
-    model = load_causal_lm(_args(demo_cache, "none"))
+    model = load_causal_lm(_args(demo_cache, "none"), demo_cache_dir=str(demo_cache))
     with pytest.raises(UsageError, match="cannot put LoRA"):
         add_lora(model, LoraArguments(lora_target_modules=["no_such_module"]))
 
@@ -97,4 +95,4 @@ def test_model_paths_are_checked(tmp_path: Path, demo_cache: Path) -> None:
 
 def test_uncached_hub_model_offline_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="cannot load model"):
-        load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model", demo_cache_dir=str(tmp_path)))
+        load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model"), demo_cache_dir=str(tmp_path))

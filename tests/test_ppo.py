@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
-from fitrl.outputs import read_metrics
+from fitrl.outputs import read_jsonl
 
 from conftest import CONFIGS, accelerate_launch, error_line, run_script
 
@@ -21,8 +21,19 @@ SMALL = ["--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size"
 
 
 def _ppo(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = None):
-    return run_script("ppo_sentiment.py", "--config", PPO_YAML, "--model_name_or_path", "demo://lm",
-                      "--demo_cache_dir", demo_cache, "--output_dir", out, *extra, launcher=launcher)  # fmt: skip
+    return run_script(
+        "ppo_sentiment.py",
+        "--config",
+        PPO_YAML,
+        "--model_name_or_path",
+        "demo://lm",
+        "--demo_cache_dir",
+        demo_cache,
+        "--output_dir",
+        out,
+        *extra,
+        launcher=launcher,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +46,7 @@ def ppo_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
 
 @pytest.mark.slow
 def test_ppo_raises_the_demo_reward(ppo_run: Path) -> None:
-    rewards = [r["env/reward_mean"] for r in read_metrics(ppo_run / "metrics.jsonl")]
+    rewards = [r["env/reward_mean"] for r in read_jsonl(ppo_run / "metrics.jsonl")]
     assert len(rewards) == 30
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     # Each step's mean is over 32 responses with std ~2: a 5-step mean has a standard error of ~0.16.
@@ -44,8 +55,16 @@ def test_ppo_raises_the_demo_reward(ppo_run: Path) -> None:
 
 @pytest.mark.slow
 def test_ppo_writes_outputs_and_leaves_the_base_untouched(ppo_run: Path, demo_root: Path) -> None:
-    for name in ["adapter_config.json", "adapter_model.safetensors", "value_head.pt", "run_config.yaml",
-                 "run_info.json", "metrics.jsonl", "ppo_curves.png", "samples.md"]:  # fmt: skip
+    for name in [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "value_head.pt",
+        "run_config.yaml",
+        "run_info.json",
+        "metrics.jsonl",
+        "ppo_curves.png",
+        "samples.md",
+    ]:
         assert (ppo_run / name).is_file(), name
     info = load_run_info(ppo_run)
     assert info["frozen_base_verified"] and info["frozen_base_digest"]  # hashed before and after: unchanged
@@ -54,10 +73,23 @@ def test_ppo_writes_outputs_and_leaves_the_base_untouched(ppo_run: Path, demo_ro
     assert lora_b and all(t.abs().max() > 0 for t in lora_b)
     head = torch.load(ppo_run / "value_head.pt")
     assert head["bias"].abs().item() > 0  # zero at init
-    row = read_metrics(ppo_run / "metrics.jsonl")[-1]
-    for key in ["objective/kl", "objective/kl_coef", "objective/entropy", "ppo/policy_loss", "ppo/value_loss",
-                "ppo/clipfrac", "ppo/approx_kl", "ppo/explained_variance", "env/response_length", "time/generate",
-                "time/score", "time/forward", "time/optimise", "tokens_per_second"]:  # fmt: skip
+    row = read_jsonl(ppo_run / "metrics.jsonl")[-1]
+    for key in [
+        "objective/kl",
+        "objective/kl_coef",
+        "objective/entropy",
+        "ppo/policy_loss",
+        "ppo/value_loss",
+        "ppo/clipfrac",
+        "ppo/approx_kl",
+        "ppo/explained_variance",
+        "env/response_length",
+        "time/generate",
+        "time/score",
+        "time/forward",
+        "time/optimise",
+        "tokens_per_second",
+    ]:
         assert key in row, key
     assert "| query | response | reward |" in (ppo_run / "samples.md").read_text()
 
@@ -65,9 +97,21 @@ def test_ppo_writes_outputs_and_leaves_the_base_untouched(ppo_run: Path, demo_ro
 @pytest.mark.slow
 def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path: Path) -> None:
     out = tmp_path / "eval"
-    result = run_script("evaluate_sentiment.py", "--config", CONFIGS / "demo" / "eval.yaml", "--model_name_or_path",
-                        "demo://lm", "--demo_cache_dir", demo_cache, "--adapter_dir", ppo_run, "--output_dir", out,
-                        "--n_prompts", "1000")  # fmt: skip
+    result = run_script(
+        "evaluate_sentiment.py",
+        "--config",
+        CONFIGS / "demo" / "eval.yaml",
+        "--model_name_or_path",
+        "demo://lm",
+        "--demo_cache_dir",
+        demo_cache,
+        "--adapter_dir",
+        ppo_run,
+        "--output_dir",
+        out,
+        "--n_prompts",
+        "1000",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     # every held-out prompt the demo has (112 reviews of the test split are long enough)
@@ -89,10 +133,19 @@ def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_cache: 
     first = _ppo(split, demo_cache, *SMALL, "--steps", "2", "--save_steps", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (tmp_path / "split.checkpoints" / "step-2" / "trainer_state.json").is_file()
-    resumed = _ppo(split, demo_cache, *SMALL, "--steps", "4", "--resume_from_checkpoint", "latest",
-                   "--overwrite_output_dir", "true")  # fmt: skip
+    resumed = _ppo(
+        split,
+        demo_cache,
+        *SMALL,
+        "--steps",
+        "4",
+        "--resume_from_checkpoint",
+        "latest",
+        "--overwrite_output_dir",
+        "true",
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(split / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
         for key, value in ra.items():

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from fitrl.config import load_run_config, load_run_info
 from fitrl.distributed import tensor_digest
-from fitrl.outputs import read_metrics
+from fitrl.outputs import read_jsonl
 
 from conftest import CONFIGS, accelerate_launch, error_line, run_script
 
@@ -42,7 +42,7 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
 
 @pytest.mark.slow
 def test_demo_sft_lowers_the_loss(sft_run: Path) -> None:
-    losses = [r["loss"] for r in read_metrics(sft_run / "metrics.jsonl") if "loss" in r]
+    losses = [r["loss"] for r in read_jsonl(sft_run / "metrics.jsonl") if "loss" in r]
     assert len(losses) >= 5
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     assert last < 0.95 * first, f"loss did not fall clearly: {losses}"

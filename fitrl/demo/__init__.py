@@ -1,0 +1,135 @@
+"""The embedded demo: everything the `demo` profile needs, built from a seed with no network.
+
+`build(cache_dir)` makes, once, into `cache_dir/v<VERSION>-seed<seed>/`:
+
+- `reviews/{train,test}.jsonl`: the project's own movie reviews (`text`, `label` 0=neg 1=pos);
+- `arithmetic/{train,test}.jsonl`: word problems in GSM8K's format (`question`, `answer` ending
+  in `#### <number>`);
+- `lm/`: a tiny GPT-NeoX (the gpt-neox-20b family) with a byte-level BPE tokenizer trained on those texts;
+- `reasoner/`: that LM after a short SFT on worked arithmetic in GRPO's `<reasoning>`/`<answer>`
+  format, with a plain chat template: the GRPO demo's starting point;
+- `classifier/`: a tiny DistilBERT sentiment classifier with its own WordPiece tokenizer, trained on
+  the reviews: the demo's reward model (labels NEGATIVE / POSITIVE, like lvwerra/distilbert-imdb).
+
+Stages name them `demo://lm`, `demo://reasoner`, `demo://classifier`, `demo://reviews`,
+`demo://arithmetic`; `resolve` is the one place that turns such a URI into a path. The texts are
+made in `corpus`, the models trained in `models`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitrl.config import UsageError, help_field
+from fitrl.demo.corpus import N_PROBLEMS, N_REVIEWS, make_problems, make_reviews
+from fitrl.outputs import write_jsonl
+
+VERSION = 2
+DEFAULT_SEED = 1234
+DEFAULT_CACHE_DIR = "~/.cache/fitrl/demo"
+SCHEME = "demo://"
+N_TEST_REVIEWS = 400
+N_TEST_PROBLEMS = 300
+REASONER_PROBLEMS = 850
+MODELS = ("lm", "reasoner", "classifier")
+DATASETS = ("reviews", "arithmetic")
+MANIFEST = "manifest.json"
+
+__all__ = ["N_PROBLEMS", "N_REVIEWS", "DemoArguments", "build", "demo_dir", "is_demo_uri", "manifest", "resolve"]
+
+
+@dataclass
+class DemoArguments:
+    """Where the embedded demo lives: one setting, shared by every stage."""
+
+    demo_cache_dir: str = help_field(
+        DEFAULT_CACHE_DIR, "Where the embedded demo assets (demo://...) are built and cached."
+    )
+
+
+def is_demo_uri(name: str) -> bool:
+    return name.startswith(SCHEME)
+
+
+def demo_dir(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
+    return Path(cache_dir).expanduser() / f"v{VERSION}-seed{seed}"
+
+
+def build(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
+    """Build the demo assets into `cache_dir` (or reuse them) and return their directory."""
+    from filelock import FileLock
+
+    root = demo_dir(cache_dir, seed)
+    if (root / MANIFEST).is_file():
+        return root
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"demo cache directory {root.parent} is not writable ({e.strerror})") from None
+    # Several processes (accelerate launch) may ask at once: one builds, the others wait and reuse.
+    with FileLock(str(root) + ".lock"):
+        if (root / MANIFEST).is_file():
+            return root
+        staging = root.with_name(root.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _build_into(staging, seed)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)
+    return root
+
+
+def _build_into(staging: Path, seed: int) -> None:
+    import torch
+
+    from fitrl.demo import models
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bit-identical weights whatever the machine's core count
+    try:
+        reviews = make_reviews(seed)
+        train, test = reviews[N_TEST_REVIEWS:], reviews[:N_TEST_REVIEWS]
+        problems = make_problems(seed)
+        write_jsonl(staging / "reviews" / "train.jsonl", train)
+        write_jsonl(staging / "reviews" / "test.jsonl", test)
+        write_jsonl(staging / "arithmetic" / "train.jsonl", problems[N_TEST_PROBLEMS:])
+        write_jsonl(staging / "arithmetic" / "test.jsonl", problems[:N_TEST_PROBLEMS])
+        texts = [r["text"] for r in reviews] + [p["question"] + "\n" + p["answer"] for p in problems]
+        tok = models.train_lm_tokenizer(texts, staging / "lm")
+        # Pretrain on half the reviews and problems: SFT then adapts it to the other half.
+        half = texts[: len(reviews) // 2] + texts[len(reviews) : len(reviews) + len(problems) // 2]
+        models.build_lm(tok, half, staging / "lm", seed)
+        # The format SFT uses the training problems only: the test split stays unseen for evaluation.
+        format_problems = problems[N_TEST_PROBLEMS:][:REASONER_PROBLEMS]
+        models.build_reasoner(staging / "lm", format_problems, staging / "reasoner", seed)
+        accuracy = models.build_classifier(train, test, staging / "classifier", seed)
+    finally:
+        torch.set_num_threads(threads)
+    info = {
+        "version": VERSION,
+        "seed": seed,
+        "classifier_test_accuracy": round(accuracy, 4),
+        "n_reviews": len(reviews),
+        "n_problems": len(problems),
+    }
+    (staging / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def manifest(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    return json.loads((build(cache_dir, seed) / MANIFEST).read_text())
+
+
+def resolve(uri: str, cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
+    """`demo://lm` -> the built asset's directory (building the demo on first use)."""
+    name = uri.removeprefix(SCHEME).strip("/")
+    if name not in MODELS + DATASETS:
+        known = ", ".join(SCHEME + a for a in MODELS + DATASETS)
+        raise UsageError(f"unknown demo asset {uri}; known: {known}")
+    return build(cache_dir, seed) / name

@@ -1,0 +1,184 @@
+"""Sampling responses from a policy: the subtlest code of the RL stages, in one place.
+
+Two contracts:
+
+- `sample_responses` (PPO, sentiment evaluation): token-id queries in, a `Rollout` out: left-padded
+  queries then right-padded responses of per-query drawn lengths, with the masks and position ids
+  that make a padded row score exactly as it would alone;
+- `complete_chats` (GSM8K evaluation, GRPO samples): chat prompts in, completion texts out, greedy or
+  `k` samples per prompt.
+
+Shapes: B = sequences, Q = query width (left-padded), R = response width (right-padded), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fitrl.answer_format import render_prompt
+from fitrl.ppo import logprobs_from_logits
+
+
+@dataclass
+class Rollout:
+    """A batch of generated sequences: left-padded queries then right-padded responses."""
+
+    input_ids: torch.Tensor  # (B, Q + R)
+    attention_mask: torch.Tensor  # (B, Q + R): 0 on left padding and after each response's end
+    response_mask: torch.Tensor  # (B, R): 1 on real response tokens
+    query_len: int  # Q: where responses start
+
+    @property
+    def responses(self) -> torch.Tensor:
+        """The response token ids, pad after each response's end: (B, R)."""
+        return self.input_ids[:, self.query_len :]
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, so a left-padded query sees the positions it would alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@contextmanager
+def generation_mode(model: Any) -> Iterator[None]:
+    """Generate with the KV cache on and activation checkpointing off (they do not mix), then restore."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    checkpointing = getattr(base, "is_activation_checkpointing", False)
+    use_cache = base.config.use_cache
+    was_training = model.training
+    if checkpointing:
+        base.activation_checkpointing_disable()
+    base.config.use_cache = True
+    model.eval()
+    try:
+        yield
+    finally:
+        base.config.use_cache = use_cache
+        if checkpointing:
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train(was_training)
+
+
+def left_pad(queries: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists as one left-padded batch: ids (B, Q) and attention mask (B, Q)."""
+    width = max(len(q) for q in queries)
+    ids = torch.full((len(queries), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, q in enumerate(queries):
+        ids[i, width - len(q) :], mask[i, width - len(q) :] = torch.tensor(q), 1
+    return ids, mask
+
+
+@torch.no_grad()
+def sample_responses(
+    model: Any,
+    tokenizer: Any,
+    queries: list[list[int]],
+    lengths: list[int],
+    stop_at_eos: bool,
+    device: torch.device,
+) -> Rollout:
+    """Sample one response of `lengths[i]` tokens per query (top_k=0, top_p=1: the policy's own distribution).
+
+    With `stop_at_eos` a response ends at (and includes) its first EOS; without it EOS cannot be
+    sampled before the longest drawn length, and every response is cut to its drawn length.
+    """
+    r_len, pad = max(lengths), tokenizer.pad_token_id
+    ids, mask = left_pad(queries, pad)
+    q_len = ids.shape[1]
+    ids, mask = ids.to(device), mask.to(device)
+    with generation_mode(model):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=r_len,
+            min_new_tokens=0 if stop_at_eos else r_len,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    responses = out[:, q_len:]
+    if responses.shape[1] < r_len:  # every sequence hit EOS early
+        fill = torch.full((len(queries), r_len - responses.shape[1]), pad, dtype=torch.long, device=device)
+        responses = torch.cat([responses, fill], dim=1)
+    lengths_t = torch.tensor(lengths, device=device)
+    if stop_at_eos:
+        is_eos = responses == tokenizer.eos_token_id
+        first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, r_len)
+        lengths_t = torch.minimum(lengths_t, first_eos)
+    response_mask = (torch.arange(r_len, device=device)[None] < lengths_t[:, None]).long()
+    responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
+    return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len)
+
+
+def decode(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[str]]:
+    """Query and response texts (padding removed) for the reward model and the logs."""
+    queries, responses = [], []
+    for ids, m in zip(rollout.input_ids, rollout.attention_mask):
+        q, r = ids[: rollout.query_len], ids[rollout.query_len :]
+        queries.append(tokenizer.decode(q[m[: rollout.query_len].bool()], skip_special_tokens=True))
+        responses.append(tokenizer.decode(r[m[rollout.query_len :].bool()], skip_special_tokens=True))
+    return queries, responses
+
+
+def forward(model: Any, rollout: Rollout, **kw: Any) -> Any:
+    """The model's output on the full sequences, with the positions that skip left padding."""
+    mask = rollout.attention_mask
+    return model(input_ids=rollout.input_ids, attention_mask=mask, position_ids=position_ids(mask), **kw)
+
+
+def response_slice(tensor: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+    """Of per-position outputs (B, Q + R, ...), those that predict the response tokens: (B, R, ...)."""
+    return tensor[:, rollout.query_len - 1 : -1]
+
+
+def response_logprobs(model: Any, rollout: Rollout) -> torch.Tensor:
+    """log p(response token) under `model` for every response position: (B, R)."""
+    logits = response_slice(forward(model, rollout).logits, rollout)
+    return logprobs_from_logits(logits, rollout.responses)
+
+
+def complete_chats(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[dict[str, str]]],
+    max_new_tokens: int,
+    num_samples: int = 1,
+    temperature: float = 0.0,
+    batch_size: int = 16,
+    progress: Any = None,
+) -> list[list[str]]:
+    """`num_samples` completion texts per chat prompt, greedy when `temperature` is 0, in left-padded batches."""
+    device = next(model.parameters()).device
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    was_training = model.training
+    model.eval()  # no dropout while sampling
+    out: list[list[str]] = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            texts = [render_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+            with torch.no_grad():
+                ids = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    num_return_sequences=num_samples,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **(sampling if temperature > 0 else {"do_sample": False}),
+                )
+            texts_out = tokenizer.batch_decode(ids[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
+            out += [texts_out[i : i + num_samples] for i in range(0, len(texts_out), num_samples)]
+            if progress is not None:
+                progress.update(len(texts))
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return out

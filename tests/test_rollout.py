@@ -1,0 +1,108 @@
+"""Sampling responses: left padding, positions, the EOS cut and the response mask, on tiny models."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from fitrl.rollout import Rollout, left_pad, position_ids, response_logprobs, sample_responses
+
+PAD, EOS = 0, 1
+
+
+def tiny_neox(vocab: int = 40) -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    return GPTNeoXForCausalLM(config).eval()
+
+
+class ScriptedModel(nn.Module):
+    """A stand-in policy whose `generate` appends fixed responses, to check the cut exactly."""
+
+    def __init__(self, responses: list[list[int]]):
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=False)
+        self.responses = torch.tensor(responses)
+        self.calls: list[dict] = []
+
+    def generate(self, input_ids: torch.Tensor, **kw: object) -> torch.Tensor:
+        self.calls.append(kw)
+        return torch.cat([input_ids, self.responses], 1)
+
+
+TOKENIZER = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
+
+
+def test_left_pad_and_positions_skip_the_padding() -> None:
+    ids, mask = left_pad([[5, 6, 7], [8]], PAD)
+    assert ids.tolist() == [[5, 6, 7], [PAD, PAD, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    # the padded query starts at position 0, as it would alone
+    assert position_ids(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+    assert position_ids(torch.tensor([[0, 1, 1, 1, 0]])).tolist() == [[0, 0, 1, 2, 2]]
+
+
+def test_responses_are_cut_to_their_drawn_lengths() -> None:
+    model = ScriptedModel([[10, 11, 12, 13], [20, 21, 22, 23]])
+    r = sample_responses(model, TOKENIZER, [[5, 6], [7]], [4, 2], stop_at_eos=False, device=torch.device("cpu"))
+    assert r.query_len == 2
+    assert r.response_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert r.input_ids.tolist() == [[5, 6, 10, 11, 12, 13], [PAD, 7, 20, 21, PAD, PAD]]
+    assert r.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]
+    # without stop_at_eos, EOS is suppressed up to the longest drawn length
+    assert model.calls[0]["min_new_tokens"] == 4 and model.calls[0]["max_new_tokens"] == 4
+
+
+def test_stop_at_eos_ends_a_response_at_its_first_eos_inclusive() -> None:
+    model = ScriptedModel([[10, EOS, 12, EOS], [20, 21, 22, 23], [EOS, 31, 32, 33]])
+    r = sample_responses(model, TOKENIZER, [[5], [6], [7]], [4, 3, 4], stop_at_eos=True, device=torch.device("cpu"))
+    assert model.calls[0]["min_new_tokens"] == 0
+    assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
+    assert r.responses.tolist() == [[10, EOS, PAD, PAD], [20, 21, 22, PAD], [EOS, PAD, PAD, PAD]]
+
+
+def test_generation_shorter_than_asked_is_padded_to_the_width() -> None:
+    model = ScriptedModel([[EOS], [EOS]])  # every sequence stopped after one token
+    r = sample_responses(model, TOKENIZER, [[5], [6]], [3, 2], stop_at_eos=True, device=torch.device("cpu"))
+    assert r.responses.shape == (2, 3)
+    assert r.response_mask.tolist() == [[1, 0, 0], [1, 0, 0]]
+
+
+def test_a_padded_row_scores_exactly_as_it_would_alone() -> None:
+    model = tiny_neox()
+    torch.manual_seed(1)
+    batch = sample_responses(model, TOKENIZER, [[5, 6, 7, 8], [9, 10]], [5, 3], False, torch.device("cpu"))
+    with torch.no_grad():
+        together = response_logprobs(model, batch)
+    for i, q_len in enumerate([4, 2]):
+        r_len = int(batch.response_mask[i].sum())
+        alone_ids = batch.input_ids[i : i + 1, batch.query_len - q_len : batch.query_len + r_len]
+        alone = Rollout(alone_ids, torch.ones_like(alone_ids), torch.ones(1, r_len, dtype=torch.long), q_len)
+        with torch.no_grad():
+            expected = response_logprobs(model, alone)[0]
+        assert together[i, :r_len] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_sampling_follows_the_seed_and_restores_training_mode() -> None:
+    model = tiny_neox().train()
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        draws.append(sample_responses(model, TOKENIZER, [[5, 6]] * 4, [6] * 4, False, torch.device("cpu")).input_ids)
+    assert torch.equal(draws[0], draws[1])
+    assert len({tuple(row) for row in draws[0].tolist()}) > 1, "four samples of one prompt should differ"
+    assert model.training
