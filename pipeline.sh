@@ -15,13 +15,19 @@ cd "$(dirname "$0")"
 
 ALL_STAGES="sft merge ppo eval grpo eval_gsm8k"
 PROFILE=${PROFILE:-demo}
-LAUNCH=${LAUNCH:-accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no}
-[ -d "configs/$PROFILE" ] || { echo "error: no profile configs/$PROFILE; pick one of: $(ls configs | grep -v accelerate | tr '\n' ' ')" >&2; exit 2; }
+# --quiet: a failing stage prints its own one-line error, without accelerate's traceback around it.
+LAUNCH=${LAUNCH:-accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no}
+PROFILES=$(for d in configs/*/; do d=${d%/}; d=${d#configs/}; [ "$d" = accelerate ] || echo "$d"; done | tr '\n' ' ')
+case " $PROFILES " in
+  *" $PROFILE "*) ;;
+  *) echo "error: no profile configs/$PROFILE; pick one of: $PROFILES" >&2; exit 2 ;;
+esac
 if [ -z "${STAGES:-}" ]; then
   STAGES=""
   for stage in $ALL_STAGES; do [ -f "configs/$PROFILE/$stage.yaml" ] && STAGES="$STAGES $stage"; done
   STAGES=${STAGES# }
 fi
+[ -n "$STAGES" ] || { echo "error: profile '$PROFILE' has no stage configs (configs/$PROFILE/<stage>.yaml); pick one of: $PROFILES" >&2; exit 2; }
 
 # Check the whole request before the first stage starts: a typo in the last stage should not cost the first.
 for stage in $STAGES; do
@@ -29,8 +35,15 @@ for stage in $STAGES; do
   [ -f "configs/$PROFILE/$stage.yaml" ] || { echo "error: profile '$PROFILE' has no stage '$stage' (no configs/$PROFILE/$stage.yaml)" >&2; exit 2; }
 done
 
+# accelerate reports every failed child as exit 1: each stage leaves its real exit code (2 for bad
+# input, 1 for a failed run) in this file, and the pipeline exits with it.
+FITRL_STATUS_FILE=$(mktemp)
+export FITRL_STATUS_FILE
+trap 'rm -f "$FITRL_STATUS_FILE"' EXIT
 run() {
-  if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; else "$@"; fi
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "$*"; return; fi
+  : > "$FITRL_STATUS_FILE"
+  "$@" || { code=$?; status=$(cat "$FITRL_STATUS_FILE"); exit "${status:-$code}"; }
 }
 
 for stage in $STAGES; do

@@ -1,8 +1,24 @@
 """fitrl: RLHF (SFT -> merge -> PPO) and GRPO for large language models on one consumer GPU.
 
-Shared code only, one module per concern: `config` (typed configs, one-line errors), `modeling`
-(loading, quantization, LoRA), `data` (datasets), `demo` (the embedded demo assets), `outputs`
-(staged output directories, metrics, plots). Each stage is a script in `scripts/`.
+Shared code only, one module per concern (docs/architecture.md has the map):
+
+- `config`: typed configs from YAML and flags, one-line errors, the run config each stage saves;
+- `answer_format`, `rewards`: GRPO's answer format and the pure-function rewards that check it;
+- `ppo`: PPO maths as pure functions;
+- `distributed`, `memory`, `outputs`, `checkpoints`: ranks, memory measurement, staged outputs and
+  metrics, where checkpoints live;
+- `demo` (package): the embedded demo corpus and tiny models, built from a seed;
+- `data`, `modeling`: datasets and models (bf16 / 8-bit / 4-bit, LoRA);
+- `rollout`: sampling responses for PPO and completions for GSM8K;
+- `sentiment`, `gsm8k`: the PPO and GRPO tasks;
+- `merge`: the streaming LoRA merge;
+- `hf_trainer`: glue for trl's trainers; `quiet`: known-harmless library messages, silenced.
+
+Each stage is a script in `scripts/`.
 """
+
+from fitrl import quiet
+
+quiet.install()
 
 __version__ = "0.1.0"

@@ -7,8 +7,9 @@ them. PPO names them `step-N`, trl's trainers `checkpoint-N`; both hold a `train
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from fitrl.config import UsageError
+from fitrl.config import UsageError, first_line
 
 STATE_FILE = "trainer_state.json"
 
@@ -38,3 +39,100 @@ def find_checkpoint(resume: str | None, output_dir: str | Path, prefix: str, sta
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a {stage} checkpoint (no {STATE_FILE})")
     return path
+
+
+def _suggest_previous(path: Path) -> str:
+    """'; resume from <the checkpoint before `path`> instead' when there is one."""
+    prefix, _, number = path.name.rpartition("-")
+    if not number.isdigit():
+        return ""
+    older = [p for p in path.parent.glob(f"{prefix}-*") if p.name.rpartition("-")[2].isdigit()]
+    older = [p for p in older if int(p.name.rpartition("-")[2]) < int(number)]
+    if not older:
+        return ""
+    return f"; resume from {max(older, key=lambda p: int(p.name.rpartition('-')[2]))} instead"
+
+
+def load_state(path: Path, device: Any = "cpu") -> Any:
+    """A `torch.save`d state (optimizer, value head) as plain tensors and containers, never as code.
+
+    `weights_only=True` refuses any pickled object that is not a tensor, number, string or container:
+    a crafted checkpoint cannot run its payload, it becomes a one-line usage error.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:
+        raise UsageError(
+            f"{path} holds objects other than tensors and was refused (a checkpoint must not run code); "
+            f"delete it{_suggest_previous(path.parent)}"
+        ) from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise UsageError(
+            f"cannot read {path} ({first_line(e)}); the checkpoint is damaged{_suggest_previous(path.parent)}"
+        ) from None
+
+
+def load_safetensors(path: Path, checkpoint: Path) -> dict[str, Any]:
+    """The tensors of `path` in `checkpoint`; a missing or truncated file is a one-line usage error."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:  # safetensors raises its own error type for truncated or corrupt files
+        raise UsageError(
+            f"cannot read {path} ({first_line(e)}); the checkpoint is damaged{_suggest_previous(checkpoint)}"
+        ) from None
+
+
+def check_checkpoint_files(checkpoint: Path) -> None:
+    """Read every safetensors file of a checkpoint once, so a damaged one fails before any model loads."""
+    for path in sorted(checkpoint.rglob("*.safetensors")):
+        load_safetensors(path, checkpoint)
+
+
+# Settings a resumed run may change: they neither change the model nor the data it sees.
+RESUMABLE_CHANGES = {
+    "steps",
+    "max_steps",
+    "num_train_epochs",
+    "logging_steps",
+    "save_steps",
+    "report_to",
+    "log_samples",
+    "num_samples_to_show",
+    "output_dir",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "verify_frozen_base",
+    "demo_cache_dir",
+}
+
+
+def check_resume_config(checkpoint: Path, current: dict[str, Any]) -> list[str]:
+    """Compare the settings a checkpoint was made with (its run_config.yaml) with the current ones.
+
+    A change that alters the model or the data stream is a `UsageError` naming it; the harmless ones
+    (`RESUMABLE_CHANGES`) are returned as 'key: old -> new' lines for the log.
+    """
+    import yaml
+
+    from fitrl.config import load_run_config
+
+    saved = load_run_config(checkpoint)
+    if not saved:  # made before checkpoints recorded their settings: nothing to compare
+        return []
+    current = yaml.safe_load(yaml.safe_dump(current))  # the same types the saved file reads back as
+    changed = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    refused = [k for k in changed if k not in RESUMABLE_CHANGES]
+    if refused:
+        more = f" (and {len(refused) - 1} more: {', '.join(refused[1:])})" if len(refused) > 1 else ""
+        k = refused[0]
+        raise UsageError(
+            f"checkpoint {checkpoint} was made with {k}={saved.get(k)!r}, now {current.get(k)!r}{more}; "
+            "resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
+        )
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed]

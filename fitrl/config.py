@@ -8,10 +8,12 @@ before any model is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -112,29 +114,54 @@ def _check_types(obj: Any) -> None:
             raise UsageError(f"invalid value for '{f.name}': must be {names} (got {value!r})")
 
 
-def parse_config(dataclass_types: Sequence[type], args: Sequence[str] | None = None) -> tuple[Any, ...]:
-    """Fill `dataclass_types` from `--config FILE.yaml` and CLI flags; raise `UsageError` on any problem."""
+def _check_config_file(args: list[str], dataclass_types: Sequence[type]) -> None:
+    """The `--config` file exists, is a YAML mapping, and names only keys the stage takes."""
+    i = args.index("--config")
+    if i + 1 >= len(args):
+        raise UsageError("--config needs a path to a YAML file, e.g. --config configs/demo/sft.yaml")
+    path = Path(args[i + 1])
+    if not path.is_file():
+        raise UsageError(f"config file not found: {path}")
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"config file {path} is not valid YAML: {first_line(e)}") from None
+    if not isinstance(content, dict):
+        raise UsageError(f"config file {path} must hold a mapping of key: value")
+    known = {f.name for t in dataclass_types for f in dataclasses.fields(t) if f.init}
+    unknown = sorted(set(content) - known - {"env"})
+    if unknown:
+        raise UsageError(f"unknown key '{unknown[0]}' in {path}; run the script with --help to list the keys it takes")
+
+
+_NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _attach_negative_numbers(args: list[str]) -> list[str]:
+    """`--flag -1e-3` as `--flag=-1e-3`: argparse would read a negative number in exponent form as a flag."""
+    out: list[str] = []
+    for arg in args:
+        if out and _NEGATIVE_NUMBER.fullmatch(arg) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+def parse_config(
+    dataclass_types: Sequence[type], args: Sequence[str] | None = None, defaults: dict[str, Any] | None = None
+) -> tuple[Any, ...]:
+    """Fill `dataclass_types` from `--config FILE.yaml` and CLI flags; raise `UsageError` on any problem.
+
+    `defaults` (e.g. what the previous stage ran with) replace the dataclass defaults; the YAML file
+    overrides them, and CLI flags override both.
+    """
     parser = _import_trl_parser()(dataclass_types)
-    args = list(sys.argv[1:] if args is None else args)
+    args = _attach_negative_numbers(list(sys.argv[1:] if args is None else args))
+    if defaults:
+        parser.set_defaults_with_config(**defaults)
     if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise UsageError("--config needs a path to a YAML file, e.g. --config configs/demo/sft.yaml")
-        path = Path(args[i + 1])
-        if not path.is_file():
-            raise UsageError(f"config file not found: {path}")
-        try:
-            content = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise UsageError(f"config file {path} is not valid YAML: {first_line(e)}") from None
-        if not isinstance(content, dict):
-            raise UsageError(f"config file {path} must hold a mapping of key: value")
-        known = {f.name for t in dataclass_types for f in dataclasses.fields(t) if f.init}
-        unknown = sorted(set(content) - known - {"env"})
-        if unknown:
-            raise UsageError(
-                f"unknown key '{unknown[0]}' in {path}; run the script with --help to list the keys it takes"
-            )
+        _check_config_file(args, dataclass_types)
     try:
         parsed = parser.parse_args_and_config(args)
     except UsageError:
@@ -201,25 +228,37 @@ def load_run_config(directory: str | Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
+STATUS_FILE_ENV = "FITRL_STATUS_FILE"
+
+
+def _fail(message: str, code: int) -> typing.NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    # `accelerate launch` reports any failing child as exit 1; pipeline.sh reads the real code here.
+    status_file = os.environ.get(STATUS_FILE_ENV)
+    if status_file:
+        with contextlib.suppress(OSError):
+            Path(status_file).write_text(str(code))
+    raise SystemExit(code)
+
+
 def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a script's `main` so a `UsageError` prints one line on stderr and exits with code 2."""
+    """Wrap a script's `main`: a `UsageError` prints one line on stderr and exits 2, a `RunFailed` exits 1."""
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return main(*args, **kwargs)
         except UsageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE) from None
+            _fail(str(e), EXIT_USAGE)
         except RunFailed as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
+            _fail(str(e), 1)
 
     return wrapper
 
 
 def help_field(default: Any, help: str, **metadata: Any) -> Any:
     """A dataclass field with a help string (lists and dicts get a default_factory)."""
+    help = help.replace("%", "%%")  # argparse formats help strings with %: '30%' would garble --help
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help, **metadata})
     return dataclasses.field(default=default, metadata={"help": help, **metadata})

@@ -6,6 +6,7 @@ Every failure a user can fix (missing file, missing column, empty data, no netwo
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,31 @@ def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
         files = [path]
     if all(p.stat().st_size == 0 for p in files):
         raise UsageError(f"dataset {path} is empty; give a file with at least one row")
+    for p in files:
+        if p.suffix == ".jsonl":
+            _check_json_lines(p)
     formats = {LOCAL_FORMATS[p.suffix] for p in files}
     if len(formats) > 1:
         raise UsageError(f"mixed file formats in {path}; keep one format per dataset")
     return formats.pop(), [str(p) for p in files]
+
+
+def _check_json_lines(path: Path) -> None:
+    """Every non-blank line of a .jsonl file is one JSON object, and there is at least one."""
+    rows = 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that row") from None
+            if not isinstance(row, dict):
+                raise UsageError(f"{path} line {number} is not a JSON object; each line must be one row")
+            rows += 1
+    if rows == 0:
+        raise UsageError(f"dataset {path} has no rows (only blank lines); give a file with at least one row")
 
 
 def load_dataset_any(
@@ -63,12 +85,14 @@ def load_dataset_any(
         raise UsageError(f"cannot read dataset {source}: {type(e).__name__}: {first_line(e)}") from None
 
 
-def require_columns(dataset: Any, columns: Sequence[str], source: str) -> None:
+def require_columns(
+    dataset: Any, columns: Sequence[str], source: str, fix: str = "pick the right column in the config"
+) -> None:
+    """Raise a `UsageError` naming the first missing column, with `fix` as the way out."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise UsageError(
-            f"dataset {source} has no column '{missing[0]}' (columns: {', '.join(dataset.column_names)}); "
-            "pick the right column in the config"
+            f"dataset {source} has no column '{missing[0]}' (columns: {', '.join(dataset.column_names)}); {fix}"
         )
     if len(dataset) == 0:
         raise UsageError(f"dataset {source} is empty")

@@ -44,7 +44,7 @@ def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, l
     is a `UsageError`. A gold answer that does not parse as a number is skipped and reported.
     """
     ds = load_dataset_any(args.dataset, args.dataset_split, demo_cache_dir, args.dataset_config)
-    require_columns(ds, ["question", "answer"], args.dataset)
+    require_columns(ds, ["question", "answer"], args.dataset, "GSM8K data needs 'question' and 'answer' columns")
     if args.max_samples is not None:
         ds = ds.select(range(min(args.max_samples, len(ds))))
     skipped, keep, golds = [], [], []

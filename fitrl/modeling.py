@@ -6,7 +6,6 @@ LoRA defaults behave the same in SFT, PPO and GRPO.
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +16,6 @@ import torch
 from fitrl import demo
 from fitrl.config import UsageError, check, first_line, help_field, offline_note
 from fitrl.distributed import process_state
-
-# bitsandbytes logs, on every 8-bit matmul, that fp32 inputs are cast to fp16: expected, and noisy.
-logging.getLogger("bitsandbytes.autograd._functions").addFilter(
-    lambda record: "inputs will be cast" not in record.getMessage()
-)
 
 # LoRA targets per architecture when the config names none: the attention projections the
 # original LoRA paper and the peft examples use for each family.
@@ -169,20 +163,17 @@ def load_causal_lm(
         model.config.pad_token_id = pad_token_id
         if model.generation_config is not None:
             model.generation_config.pad_token_id = pad_token_id
-    if qconfig is not None and for_training:
+    kbit_training = qconfig is not None and for_training
+    if kbit_training:
         from peft import prepare_model_for_kbit_training
 
-        # Casts norms and the head to fp32 and makes the input embeddings require grad, so that
-        # gradient checkpointing has something to backpropagate through the frozen k-bit layers.
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
-    elif gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        # Freezes the base and casts norms and the head to fp32; checkpointing is turned on below, with
+        # transformers' current API (peft's own call goes through a deprecated alias).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if not kbit_training:  # non-reentrant checkpointing of k-bit layers needs no input grads
+            model.enable_input_require_grads()
         model.config.use_cache = False
     return model
 
@@ -215,3 +206,53 @@ def add_lora(model: Any, args: LoraArguments) -> Any:
         return get_peft_model(model, config)
     except ValueError as e:
         raise UsageError(f"cannot put LoRA on this model: {first_line(e)}") from None
+
+
+def check_adapter_base(
+    adapter_dir: Path,
+    model_name: str,
+    model_path: str,
+    stage: str,
+    force: bool,
+    producer: str | None = None,
+    require_record: bool = True,
+) -> None:
+    """Refuse an adapter that was not trained on this model, or not by the stage that should have made it.
+
+    What the adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
+    `adapter_config.json`) is compared with the model named (`model_name`) and its resolved path or hub
+    id (`model_path`), as strings and as resolved paths. `producer` is the stage whose output this
+    stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check; without
+    `require_record`, an adapter that records no base at all passes (the merge checks shapes itself).
+    """
+    import json
+
+    from fitrl.config import load_run_config, load_run_info
+
+    if force:
+        return
+    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
+    made_by = info.get("stage")
+    if producer is not None and made_by is not None and made_by != producer:
+        raise UsageError(
+            f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
+            "(or pass --force true)"
+        )
+    peft_config = adapter_dir / "adapter_config.json"
+    peft_base = json.loads(peft_config.read_text()).get("base_model_name_or_path") if peft_config.is_file() else None
+    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
+    if not recorded and not require_record:
+        return
+    if not recorded:
+        raise UsageError(f"adapter {adapter_dir} records no base model; pass --force true if it fits {model_name}")
+    if {model_name, model_path} & recorded:
+        return
+    here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}
+    there = {Path(p).expanduser().resolve() for p in recorded if Path(p).expanduser().exists()}
+    if here & there:
+        return
+    trained_on = config.get("model_name_or_path") or peft_base or sorted(recorded)[0]
+    raise UsageError(
+        f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
+        "set model_name_or_path to its base (or pass --force true)"
+    )

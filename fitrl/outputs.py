@@ -10,7 +10,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,13 +21,36 @@ from fitrl.distributed import process_state
 METRICS_NAME = "metrics.jsonl"
 
 
-def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
-    """Resolve `output_dir` and refuse a non-empty one unless `overwrite`; raise `UsageError` if unusable."""
+OUTPUT_MARKER = ".fitrl-output.json"
+
+
+def check_output_dir(output_dir: str | Path, overwrite: bool, inputs: Iterable[str | Path | None] = ()) -> Path:
+    """Resolve `output_dir` and check that writing there loses nothing; raise `UsageError` if it would.
+
+    Refused: the current directory, one of its parents, the home or root directory; a directory equal
+    to, inside or containing one of the stage's `inputs`; a non-empty directory unless `overwrite`,
+    and even then one that holds a file fitrl did not write (its `.fitrl-output.json` lists them).
+    """
     final = Path(output_dir).expanduser().absolute()
+    resolved = final.resolve()
+    cwd = Path.cwd().resolve()
+    if resolved in {Path(resolved.anchor), Path.home().resolve(), cwd, *cwd.parents}:
+        raise UsageError(
+            f"output directory {final} is the current, home or root directory or a parent of the current one; "
+            "give the stage a directory of its own, e.g. outputs/<stage>"
+        )
+    for item in inputs:
+        if item is None or not Path(item).expanduser().exists():  # hub ids are not paths
+            continue
+        source = Path(item).expanduser().resolve()
+        if source == resolved or resolved in source.parents or source in resolved.parents:
+            raise UsageError(f"output directory {final} overlaps the stage's input {source}; write somewhere else")
     if final.exists() and not final.is_dir():
         raise UsageError(f"output directory {final} is a file; choose a directory path")
-    if final.is_dir() and any(final.iterdir()) and not overwrite:
-        raise UsageError(f"output directory {final} is not empty; pass --overwrite_output_dir true or pick another")
+    if final.is_dir() and any(final.iterdir()):
+        if not overwrite:
+            raise UsageError(f"output directory {final} is not empty; pass --overwrite_output_dir true or pick another")
+        _check_replaceable(final)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         probe = final.parent / f".{final.name}.write-test-{os.getpid()}"
@@ -38,11 +61,34 @@ def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
     return final
 
 
+def _files(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir()} - {OUTPUT_MARKER}
+
+
+def _check_replaceable(final: Path) -> None:
+    """Overwrite replaces only what fitrl wrote: every file must be listed in the directory's marker."""
+    marker = final / OUTPUT_MARKER
+    try:
+        written = set(json.loads(marker.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UsageError(
+            f"output directory {final} was not written by fitrl (no valid {OUTPUT_MARKER}); "
+            "--overwrite_output_dir replaces only fitrl's outputs: pick another output_dir"
+        ) from None
+    foreign = sorted(_files(final) - written)
+    if foreign:
+        raise UsageError(
+            f"output directory {final} holds {foreign[0]}, which fitrl did not write; move it away or pick another"
+        )
+
+
 @contextmanager
-def staged_output_dir(output_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def staged_output_dir(output_dir: str | Path, overwrite: bool = False, stage: str = "") -> Iterator[Path]:
     """Yield a staging directory that replaces `output_dir` only if the block finishes without error.
 
-    Safe under `accelerate launch`: the main process creates, renames or removes; all ranks wait.
+    The finished directory gets a marker listing the files it holds, so that a later overwrite knows
+    what it may delete. Safe under `accelerate launch`: the main process creates, renames or removes;
+    all ranks wait.
     """
     state = process_state()
     final = check_output_dir(output_dir, overwrite)
@@ -59,7 +105,11 @@ def staged_output_dir(output_dir: str | Path, overwrite: bool = False) -> Iterat
         raise
     state.wait_for_everyone()
     if state.is_main_process:
+        marker = {"fitrl_stage": stage, "files": sorted(_files(staging))}
+        (staging / OUTPUT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         if final.exists():
+            if any(final.iterdir()):
+                _check_replaceable(final)  # nothing foreign may have appeared while the stage ran
             shutil.rmtree(final)
         staging.rename(final)
     state.wait_for_everyone()
@@ -79,6 +129,11 @@ class MetricsLog:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
+    def rewrite(self) -> None:
+        """Write every row again (after one was corrected)."""
+        if self.enabled:
+            write_jsonl(self.path, self.rows)
 
 
 def _json_number(v: Any) -> Any:

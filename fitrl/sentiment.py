@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from fitrl.config import UsageError, check, help_field
+from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_text_dataset
 from fitrl.modeling import resolve_model_path
 
@@ -63,10 +63,20 @@ class RewardArguments:
 
 
 def check_reward_label(reward_path: str, positive_label: str) -> None:
-    """Stop before any model loads if the classifier has no such label."""
+    """Stop before any model loads if the reward model is no trained classifier or has no such label."""
     from transformers import AutoConfig
 
-    labels = list(AutoConfig.from_pretrained(reward_path).id2label.values())
+    try:
+        config = AutoConfig.from_pretrained(reward_path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot load the reward model's config from {reward_path}: {first_line(e)}") from None
+    architectures = config.architectures or []
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise UsageError(
+            f"reward model {reward_path} is a {architectures[0]}, not a trained sequence classifier "
+            "(its classification head would be newly initialized); give a ...ForSequenceClassification model"
+        )
+    labels = list(config.id2label.values())
     if positive_label not in labels:
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fitrl.answer_format import ensure_chat_template
-from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
+from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
 from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_accuracy_metric, load_problems
-from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats
@@ -47,6 +47,7 @@ class EvalArguments:
     batch_size: int = help_field(16, "Problems per generation batch.")
     compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
     seed: int = help_field(0, "Random seed of the sampling.")
+    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
 
     def validate(self) -> None:
         check(self.num_samples >= 1, "num_samples", ">= 1")
@@ -72,17 +73,12 @@ def check_adapter(adapter: str | None) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     model_args, data_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
 
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    inputs = [args.adapter, model_args.model_name_or_path, data_args.dataset]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
     adapter = check_adapter(args.adapter)
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    if adapter is not None:
-        # The adapter was trained on one base: evaluating it on another is a silent mistake.
-        trained_on = load_run_config(adapter).get("model_name_or_path")
-        if trained_on is not None and trained_on != model_args.model_name_or_path:
-            raise UsageError(
-                f"adapter {adapter} was trained on {trained_on}, not {model_args.model_name_or_path}; "
-                "set model_name_or_path to match"
-            )
+    if adapter is not None:  # evaluating an adapter on another base is a silent mistake
+        check_adapter_base(adapter, model_args.model_name_or_path, model_path, "eval_gsm8k", args.force, "grpo")
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
@@ -92,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from tqdm.auto import tqdm
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval_gsm8k") as out:
         model = load_causal_lm(model_args, path=model_path, for_training=False, pad_token_id=tokenizer.pad_token_id)
         if adapter is not None:
             from peft import PeftModel

@@ -12,15 +12,16 @@ side-by-side samples) and `reward_hist.png`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
+from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
 from fitrl.demo import DemoArguments
-from fitrl.modeling import ModelArguments, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
@@ -37,9 +38,12 @@ class EvalArguments:
     batch_size: int = help_field(32, "Prompts per generation batch.")
     n_samples_shown: int = help_field(6, "Side-by-side samples in eval.md.")
     seed: int = help_field(1234, "Seed of the query lengths, response lengths and sampling.")
+    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
 
     def validate(self) -> None:
-        check(self.n_prompts >= 1 and self.batch_size >= 1, "n_prompts", ">= 1 (and batch_size >= 1)")
+        check(self.n_prompts >= 1, "n_prompts", ">= 1")
+        check(self.batch_size >= 1, "batch_size", ">= 1")
+        check(self.n_samples_shown >= 0, "n_samples_shown", ">= 0")
 
 
 CONFIG_TYPES = [ModelArguments, PromptArguments, RewardArguments, EvalArguments, DemoArguments]
@@ -58,18 +62,33 @@ def summary(scores: torch.Tensor) -> dict[str, float]:
     }
 
 
+def ppo_settings(argv: list[str] | None) -> dict:
+    """The model, prompt and reward settings the PPO run wrote to its `run_config.yaml`.
+
+    The evaluation answers prompts the way the policy was trained to, unless the config or a flag
+    says otherwise; only the split (held-out prompts) and the number of prompts are its own.
+    """
+    (*_, eval_args, _demo) = parse_config(CONFIG_TYPES, argv)
+    trained = load_run_config(Path(eval_args.adapter_dir).expanduser())
+    inherited = {f.name for t in (ModelArguments, PromptArguments, RewardArguments) for f in dataclasses.fields(t)}
+    inherited -= {"dataset_split", "max_prompts"}
+    return {k: v for k, v in trained.items() if k in inherited}
+
+
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, prompt_args, reward_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    model_args, prompt_args, reward_args, args, demo_args = parse_config(CONFIG_TYPES, argv, ppo_settings(argv))
+    inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, "eval", args.force, producer="ppo")
     check_reward_label(
         resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
         reward_args.positive_label,
     )
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)[: args.n_prompts]
 
@@ -87,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ).tolist()
 
     rows = []
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval") as out:
         for c in range(0, len(queries), args.batch_size):
             qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
             torch.manual_seed(args.seed + c)

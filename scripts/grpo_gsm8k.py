@@ -24,15 +24,18 @@ Trainer checkpoints go to `<output_dir>.checkpoints/`, outside the staged output
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from fitrl.answer_format import ensure_chat_template
-from fitrl.checkpoints import checkpoint_root, find_checkpoint
+from fitrl.checkpoints import check_checkpoint_files, check_resume_config, checkpoint_root, find_checkpoint
 from fitrl.config import (
     UsageError,
     check,
+    config_dict,
     entrypoint,
     first_line,
     help_field,
@@ -43,6 +46,7 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
+from fitrl.hf_trainer import checkpoint_extras, quiet_progress, trainer_arguments, whole_run_train_loss
 from fitrl.memory import peak_memory_mb
 from fitrl.modeling import (
     LoraArguments,
@@ -52,7 +56,15 @@ from fitrl.modeling import (
     lora_config,
     resolve_model_path,
 )
-from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
+from fitrl.outputs import (
+    METRICS_NAME,
+    MetricsLog,
+    check_output_dir,
+    metrics_callback,
+    plot_curves,
+    read_jsonl,
+    staged_output_dir,
+)
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
 
@@ -62,6 +74,22 @@ GRPO_LORA_TARGETS = {
     "qwen2": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
+# GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
+GRPO_SETTINGS = [
+    "adam_beta1",
+    "adam_beta2",
+    "num_generations",
+    "max_completion_length",
+    "temperature",
+    "steps_per_generation",
+    "generation_batch_size",
+    "beta",
+    "num_iterations",
+    "epsilon",
+    "loss_type",
+    "use_vllm",
+    "vllm_gpu_memory_utilization",
+]
 CURVES = [
     "reward",
     "rewards/accuracy_reward/mean",
@@ -147,12 +175,14 @@ def samples_markdown(questions: list[str], golds: list[str], before: list[str], 
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, lora_args, data_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
+    configs = parse_config(CONFIG_TYPES, argv)
+    model_args, lora_args, data_args, args, demo_args = configs
 
     # Every input is checked before the model loads: a typo should cost a second.
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
-    resume_path = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO")
-    resume = str(resume_path) if resume_path else None
+    inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
+    resume = checked_resume(configs)
+    checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code, padding_side="left")
@@ -161,51 +191,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.use_vllm and cpu_only():
         raise UsageError("use_vllm needs a CUDA GPU; set use_vllm false on this machine")
 
-    import torch
     from peft import get_peft_model_state_dict
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import set_seed
+    from trl import GRPOTrainer
 
-    try:
-        training_args = GRPOConfig(
-            output_dir=str(checkpoint_root(args.output_dir)),
-            learning_rate=args.learning_rate,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            weight_decay=args.weight_decay,
-            warmup_steps=args.warmup_ratio,
-            lr_scheduler_type=args.lr_scheduler_type,
-            max_grad_norm=args.max_grad_norm,
-            optim=args.optim,
-            num_train_epochs=args.num_train_epochs,
-            max_steps=args.max_steps,
-            per_device_train_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            num_generations=args.num_generations,
-            max_completion_length=args.max_completion_length,
-            temperature=args.temperature,
-            steps_per_generation=args.steps_per_generation,
-            generation_batch_size=args.generation_batch_size,
-            beta=args.beta,
-            num_iterations=args.num_iterations,
-            epsilon=args.epsilon,
-            loss_type=args.loss_type,
-            # The loader already turned on (non-reentrant) checkpointing where asked.
-            gradient_checkpointing=args.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            use_vllm=args.use_vllm,
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-            logging_steps=args.logging_steps,
-            save_strategy="steps" if args.save_steps > 0 else "no",
-            save_steps=args.save_steps or 500,
-            report_to=args.report_to,
-            seed=args.seed,
-            bf16=model_args.dtype == "bfloat16",
-            use_cpu=cpu_only(),  # without it, DDP on a CPU-only machine silently runs as N lone processes
-            ddp_find_unused_parameters=False,
-        )
-    except ValueError as e:  # batch sizes that do not divide into groups, and the like
-        raise UsageError(first_line(e)) from None
+    training_args = grpo_config(args, model_args)
     is_main = training_args.process_index == 0
     if is_main:
         print(
@@ -215,23 +205,14 @@ def main(argv: list[str] | None = None) -> None:
         for row in skipped[:5]:
             print(f"  skipped row {row['row']}: gold answer {row['gold']!r} is not a number")
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
-        model = load_causal_lm(
-            model_args,
-            path=model_path,
-            gradient_checkpointing=args.gradient_checkpointing,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        targets = lora_args.lora_target_modules or GRPO_LORA_TARGETS.get(model.config.model_type, ["all-linear"])
-        peft_config = lora_config(
-            dataclasses.replace(lora_args, lora_target_modules=targets),
-            model.config.model_type,
-        )
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="grpo") as out:
+        model, peft_config, targets = load_base_and_lora(model_args, lora_args, args, model_path, tokenizer)
 
         shown = dataset.select(range(min(args.num_samples_to_show, len(dataset))))
         samples_before = [c[0] for c in complete_chats(model, tokenizer, shown["prompt"], args.max_completion_length)]
 
-        metrics = MetricsLog(out, enabled=is_main)
+        metrics = start_metrics(out, is_main, resume)
+        set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
         trainer = GRPOTrainer(
             model=model,
             reward_funcs=list(REWARD_FUNCTIONS.values()),
@@ -239,7 +220,10 @@ def main(argv: list[str] | None = None) -> None:
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=peft_config,
-            callbacks=[metrics_callback(metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)})],
+            callbacks=[
+                metrics_callback(metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
+                checkpoint_extras(configs, metrics),
+            ],
         )
         if model_args.dtype == "float32":
             # trl stores a quantized model's adapter in bf16 (the QLoRA-on-GPU convention); with a float32
@@ -248,7 +232,13 @@ def main(argv: list[str] | None = None) -> None:
                 if p.requires_grad:
                     p.data = p.data.float()
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        quiet_progress(trainer)
         trainer.train(resume_from_checkpoint=resume)
+        if resume is not None:
+            correct_train_loss(metrics, int(Path(resume).name.rpartition("-")[2]))
+        if not checkpoints_existed and args.save_steps == 0 and is_main:
+            with contextlib.suppress(OSError):  # the trainer made it; nothing was saved into it
+                checkpoint_root(args.output_dir).rmdir()
 
         # Under DDP every rank must end with the same adapter: check it rather than assume it.
         policy = trainer.accelerator.unwrap_model(trainer.model)
@@ -263,32 +253,93 @@ def main(argv: list[str] | None = None) -> None:
             (out / "samples.md").write_text(
                 samples_markdown(shown["question"], shown["gold"], samples_before, samples_after)
             )
-            save_run_info(
-                out,
-                {
-                    "stage": "grpo",
-                    "resolved_model_path": model_path,
-                    "problems": len(dataset),
-                    "skipped_non_numeric_gold": skipped,
-                    "dropped_long_prompts": n_too_long,
-                    "plain_chat_template": plain_template,
-                    "lora_target_modules": targets,
-                    "trainable_parameters": trainable,
-                    "world_size": training_args.world_size,
-                    "resumed_from": resume,
-                    "peak_memory_mb": round(peak_memory_mb(), 1),
-                    "peak_memory_kind": "cuda allocated" if torch.cuda.is_available() else "process RSS",
-                    "rank_adapter_digests": digests,
-                },
-            )
-            plot_curves(metrics.rows, CURVES, out / "grpo_curves.png", title=f"GRPO: {model_args.model_name_or_path}")
-            rewards = [r["reward"] for r in metrics.rows if "reward" in r]
-            if rewards:
-                k = max(1, len(rewards) // 5)
-                first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-                print(f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k})")
-            print(f"sample after training:\n{samples_after[0] if samples_after else ''}")
-            print(f"adapter written to {args.output_dir}")
+            info = {
+                "stage": "grpo",
+                "resolved_model_path": model_path,
+                "problems": len(dataset),
+                "skipped_non_numeric_gold": skipped,
+                "dropped_long_prompts": n_too_long,
+                "plain_chat_template": plain_template,
+                "lora_target_modules": targets,
+                "trainable_parameters": trainable,
+                "world_size": training_args.world_size,
+                "resumed_from": resume,
+                "rank_adapter_digests": digests,
+            }
+            report(out, info, metrics.rows, samples_after, model_args, args)
+
+
+def load_base_and_lora(model_args: Any, lora_args: Any, args: Any, model_path: str, tokenizer: Any) -> tuple:
+    """The frozen (quantized) base, and the LoRA config trl wraps it with (the blog's targets by default)."""
+    model = load_causal_lm(
+        model_args,
+        path=model_path,
+        gradient_checkpointing=args.gradient_checkpointing,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    targets = lora_args.lora_target_modules or GRPO_LORA_TARGETS.get(model.config.model_type, ["all-linear"])
+    peft_config = lora_config(dataclasses.replace(lora_args, lora_target_modules=targets), model.config.model_type)
+    return model, peft_config, targets
+
+
+def start_metrics(out: Path, is_main: bool, resume: str | None) -> MetricsLog:
+    """The run's metrics log; a resumed run starts from the history its checkpoint kept."""
+    metrics = MetricsLog(out, enabled=is_main)
+    if resume is not None and (Path(resume) / METRICS_NAME).is_file():
+        for row in read_jsonl(Path(resume) / METRICS_NAME):
+            metrics.log(row)
+    return metrics
+
+
+def checked_resume(configs: tuple) -> str | None:
+    """The checkpoint to resume from, its files readable and its settings compatible; None when not resuming."""
+    args = configs[3]
+    path = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO")
+    if path is None:
+        return None
+    check_checkpoint_files(path)
+    for change in check_resume_config(path, config_dict(*configs)):
+        print(f"resuming {path} with a changed setting: {change}")
+    return str(path)
+
+
+def correct_train_loss(metrics: MetricsLog, resumed_at: int) -> None:
+    """The summary's train_loss over the whole run, not only the steps after the resume."""
+    loss = whole_run_train_loss(metrics.rows, resumed_at)
+    if loss is not None:
+        next(r for r in metrics.rows if "train_loss" in r)["train_loss"] = loss
+        metrics.rewrite()
+
+
+def grpo_config(args: GRPOArguments, model_args: ModelArguments) -> Any:
+    """trl's `GRPOConfig`: the shared trainer settings plus GRPO's own; trl's refusals are usage errors."""
+    from trl import GRPOConfig
+
+    try:
+        return GRPOConfig(
+            **{key: getattr(args, key) for key in GRPO_SETTINGS},
+            vllm_mode="colocate",
+            **trainer_arguments(args, model_args, output_dir=str(checkpoint_root(args.output_dir))),
+        )
+    except ValueError as e:  # batch sizes that do not divide into groups, and the like
+        raise UsageError(first_line(e)) from None
+
+
+def report(out: Path, info: dict, rows: list[dict], samples_after: list[str], model_args: Any, args: Any) -> None:
+    """run_info.json (with the peak memory), the curves, and the reward's rise on the terminal."""
+    import torch
+
+    info["peak_memory_mb"] = round(peak_memory_mb(), 1)
+    info["peak_memory_kind"] = "cuda allocated" if torch.cuda.is_available() else "process RSS"
+    save_run_info(out, info)
+    plot_curves(rows, CURVES, out / "grpo_curves.png", title=f"GRPO: {model_args.model_name_or_path}")
+    rewards = [r["reward"] for r in rows if "reward" in r]
+    if rewards:
+        k = max(1, len(rewards) // 5)
+        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        print(f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k})")
+    print(f"sample after training:\n{samples_after[0] if samples_after else ''}")
+    print(f"adapter written to {args.output_dir}")
 
 
 if __name__ == "__main__":

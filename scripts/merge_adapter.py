@@ -46,7 +46,7 @@ from fitrl.merge import (
     verify_merge,
     write_config_files,
 )
-from fitrl.modeling import load_tokenizer, resolve_model_path
+from fitrl.modeling import check_adapter_base, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 
 
@@ -78,7 +78,7 @@ CONFIG_TYPES = [MergeArguments, DemoArguments]
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
     args, demo_args = parse_config(CONFIG_TYPES, argv)
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, [args.adapter_dir, args.base_model])
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not adapter_dir.is_dir():
         raise UsageError(f"adapter directory {adapter_dir} does not exist; run the SFT stage first")
@@ -88,19 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     sft_config = load_run_config(adapter_dir)
     base_name = args.base_model or sft_config.get("model_name_or_path") or adapter_config["base_model_name_or_path"]
     base = resolve_model_path(base_name, demo_args.demo_cache_dir, what="base model")
+    check_output_dir(args.output_dir, args.overwrite_output_dir, [base])
     # An adapter saved from a model built in memory records no base: then there is nothing to compare.
-    trained_on = {adapter_config.get("base_model_name_or_path"), sft_config.get("model_name_or_path")} - {None, ""}
-    same = not trained_on or base_name in trained_on
-    same = same or any(Path(t).expanduser().resolve() == Path(base).resolve() for t in trained_on)
-    if not same and not args.force:
-        raise UsageError(f"adapter was trained on {sorted(trained_on)}, not {base_name}; pass --force true to merge")
+    check_adapter_base(adapter_dir, base_name, base, "merge", args.force, producer="sft", require_record=False)
     base_dir = base_checkpoint(base)
     # The SFT stage saved its tokenizer beside the adapter; fall back to the base's, if it has one.
     has_tokenizer = [d for d in (adapter_dir, base_dir) if any((d / f).is_file() for f in TOKENIZER_FILES)]
     tokenizer = load_tokenizer(str(has_tokenizer[0])) if has_tokenizer else None
     dtype = DTYPES[args.dtype]
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="merge") as out:
         start = time.perf_counter()
         with PeakRSS() as rss:
             if args.method == "streaming":

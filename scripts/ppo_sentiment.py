@@ -32,7 +32,16 @@ import torch
 from torch import nn
 
 from fitrl import ppo
-from fitrl.checkpoints import STATE_FILE, checkpoint_root, find_checkpoint, latest_checkpoint
+from fitrl.checkpoints import (
+    STATE_FILE,
+    check_checkpoint_files,
+    check_resume_config,
+    checkpoint_root,
+    find_checkpoint,
+    latest_checkpoint,
+    load_safetensors,
+    load_state,
+)
 from fitrl.config import (
     RunFailed,
     UsageError,
@@ -233,6 +242,10 @@ class Run:
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    @property
+    def configs(self) -> tuple[Any, ...]:
+        return (self.model_args, self.lora_args, self.prompt_args, self.reward_args, self.args, self.demo_args)
+
 
 def step_seed(seed: int, step: int, rank: int) -> int:
     # Every draw of a step (lengths, sampling, shuffles, dropout) comes from (seed, step, rank), so a
@@ -270,8 +283,13 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     """Everything a user can get wrong, checked before the backbone loads."""
     model_args, lora_args, prompt_args, reward_args, args, demo_args = configs
     cache = demo_args.demo_cache_dir
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    inputs = [model_args.model_name_or_path, prompt_args.dataset, reward_args.reward_model, args.resume_from_checkpoint]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
     resume = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "step", "PPO")
+    if resume is not None:
+        check_checkpoint_files(resume)
+        for change in check_resume_config(resume, config_dict(*configs)):
+            print(f"resuming {resume} with a changed setting: {change}")
     reward_path = resolve_model_path(reward_args.reward_model, cache, "reward model")
     check_reward_label(reward_path, reward_args.positive_label)
     model_path = resolve_model_path(model_args.model_name_or_path, cache)
@@ -324,11 +342,10 @@ def build(run: Run) -> None:
 def load_checkpoint(run: Run, path: Path) -> None:
     """Weights and run state from `path` (before DDP wraps the model); the optimizer state after."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    set_peft_model_state_dict(run.unwrapped.policy, load_file(path / "adapter" / "adapter_model.safetensors"))
-    value_head = torch.load(path / "value_head.pt", map_location=run.device, weights_only=True)
-    run.unwrapped.value_head.load_state_dict(value_head)
+    adapter = load_safetensors(path / "adapter" / "adapter_model.safetensors", path)
+    set_peft_model_state_dict(run.unwrapped.policy, adapter)
+    run.unwrapped.value_head.load_state_dict(load_state(path / "value_head.pt", run.device))
     state = json.loads((path / STATE_FILE).read_text())
     run.start_step, run.samples = state["step"], state["samples"]
     run.kl_ctl.load_state_dict(state["kl_controller"])
@@ -356,6 +373,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         torch.save(run.unwrapped.value_head.state_dict(), staging / "value_head.pt")
         torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
         (staging / STATE_FILE).write_text(json.dumps(state))
+        save_run_config(staging, *run.configs)
         shutil.rmtree(path, ignore_errors=True)
         staging.rename(path)
     run.accelerator.wait_for_everyone()
@@ -365,11 +383,10 @@ def prepare(run: Run) -> None:
     """Wrap for DDP (where launched so), restore the optimizer state, start the trackers."""
     run.model, run.optimizer = run.accelerator.prepare(run.unwrapped, run.optimizer)
     if run.resume is not None:
-        optimizer_state = torch.load(run.resume / "optimizer.pt", map_location=run.device, weights_only=False)
-        run.optimizer.load_state_dict(optimizer_state)
+        run.optimizer.load_state_dict(load_state(run.resume / "optimizer.pt", run.device))
     run.unwrapped = run.accelerator.unwrap_model(run.model)
     if run.args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
-        flat = config_dict(run.model_args, run.lora_args, run.prompt_args, run.reward_args, run.args, run.demo_args)
+        flat = config_dict(*run.configs)
         hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
         run.accelerator.init_trackers("fitrl-ppo", hparams)
 
@@ -614,7 +631,7 @@ def finish(run: Run) -> None:
     unwrapped.policy.save_pretrained(out)
     torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
     run.tokenizer.save_pretrained(out)
-    save_run_config(out, run.model_args, run.lora_args, run.prompt_args, run.reward_args, run.args, run.demo_args)
+    save_run_config(out, *run.configs)
     info = {
         "stage": "ppo",
         "resolved_model_path": run.model_path,
@@ -652,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
 
     run = preflight(parse_config(CONFIG_TYPES, argv))
     args, accelerator = run.args, run.accelerator
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as run.out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="ppo") as run.out:
         build(run)
         if run.resume is not None:
             load_checkpoint(run, run.resume)

@@ -23,7 +23,8 @@ from typing import Literal
 from fitrl.config import check, entrypoint, help_field, parse_config, save_run_config, save_run_info
 from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
-from fitrl.distributed import check_ranks_in_sync, cpu_only
+from fitrl.distributed import check_ranks_in_sync
+from fitrl.hf_trainer import quiet_progress, trainer_arguments
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
 
@@ -83,58 +84,39 @@ def main(argv: list[str] | None = None) -> None:
     model_args, lora_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
 
     # Check every input before loading anything heavy: a typo should cost a second, not a model load.
-    check_output_dir(args.output_dir, args.overwrite_output_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, [model_args.model_name_or_path, args.dataset])
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     dataset = load_text_dataset(
         args.dataset, args.dataset_split, args.text_column, demo_args.demo_cache_dir, args.max_samples
     )
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
 
-    import torch
     from peft import get_peft_model_state_dict
+    from transformers import set_seed
     from trl import SFTConfig, SFTTrainer
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir) as out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="sft") as out:
         model = load_causal_lm(
             model_args,
             path=model_path,
             gradient_checkpointing=args.gradient_checkpointing,
             pad_token_id=tokenizer.pad_token_id,
         )
-        # A fresh LoRA adapter is the only trainable part; the (8-bit) base stays frozen.
+        # A fresh LoRA adapter is the only trainable part; the (8-bit) base stays frozen. Its init is
+        # drawn from the seed, so the same config gives the same adapter whatever ran before.
+        set_seed(args.seed)
         model = add_lora(model, lora_args)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
 
         training_args = SFTConfig(
-            output_dir=str(out),
             dataset_text_field="text",
             # "wrapped" packing: concatenate all reviews (EOS between them) and cut fixed-size blocks.
             packing=True,
             packing_strategy="wrapped",
             max_length=args.block_size,
-            learning_rate=args.learning_rate,
-            num_train_epochs=args.num_train_epochs,
-            max_steps=args.max_steps,
-            per_device_train_batch_size=args.per_device_train_batch_size,
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
-            # The loader already enabled (non-reentrant) checkpointing on the base where asked.
-            gradient_checkpointing=args.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-            optim=args.optim,
-            lr_scheduler_type=args.lr_scheduler_type,
-            warmup_steps=args.warmup_ratio,
-            weight_decay=args.weight_decay,
-            max_grad_norm=args.max_grad_norm,
-            logging_steps=args.logging_steps,
             logging_first_step=True,
-            save_strategy="steps" if args.save_steps > 0 else "no",
-            save_steps=args.save_steps or 500,
-            report_to=args.report_to,
-            seed=args.seed,
-            bf16=model_args.quantization == "none" and model.dtype == torch.bfloat16,
-            ddp_find_unused_parameters=False,
-            use_cpu=cpu_only(),  # without it, DDP on a CPU-only machine silently runs as N lone processes
+            **trainer_arguments(args, model_args, output_dir=str(out)),
         )
         metrics = MetricsLog(out, enabled=training_args.process_index == 0)
         trainer = SFTTrainer(
@@ -144,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
             processing_class=tokenizer,
             callbacks=[metrics_callback(metrics)],
         )
+        quiet_progress(trainer)
         trainer.train()
 
         # Under DDP every rank must end with the same adapter: check it rather than assume it.

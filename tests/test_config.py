@@ -49,6 +49,7 @@ def test_yaml_then_cli_override(tmp_path: Path) -> None:
         ({}, ["--rate", "0"], "invalid value for 'rate': must be > 0"),
         ({}, ["--count", "abc"], "invalid int value"),
         ({}, ["--nope", "1"], "unknown flag"),
+        ({}, ["--rate", "-1e-3"], "invalid value for 'rate': must be > 0"),  # a negative number, not a flag
     ],
 )
 def test_bad_values_raise_one_line(tmp_path: Path, content: dict, argv: list[str], message: str) -> None:
@@ -102,3 +103,10 @@ def test_sft_script_rejects_bad_config(override: list[str], message: str) -> Non
     result = run_script("sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", *override)
     assert result.returncode == 2
     assert message in error_line(result)
+
+
+@pytest.mark.parametrize(("script", "text"), [("sft_lora.py", "~30% slower"), ("grpo_gsm8k.py", "~30% slower")])
+def test_help_shows_every_help_string_as_written(script: str, text: str) -> None:
+    result = run_script(script, "--help")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert text in " ".join(result.stdout.split())

@@ -31,7 +31,12 @@ def test_demo_reviews(demo_cache: Path) -> None:
         (lambda p: None, "text", "does not exist"),
         (lambda p: (p / "d.jsonl").write_text('{"body": "x"}\n'), "text", "has no column 'text'"),
         (lambda p: (p / "d.jsonl").write_text('{"text": ""}\n'), "text", "has no text"),
-        (lambda p: (p / "d.jsonl").write_text("{not json\n"), "text", "cannot"),
+        (
+            lambda p: (p / "d.jsonl").write_text('{"text": "a fine row"}\n{not json\n'),
+            "text",
+            "line 2 is not valid JSON",
+        ),
+        (lambda p: (p / "d.jsonl").write_text("\n  \n\n"), "text", "has no rows"),
         (lambda p: (p / "d.txt").write_text("x"), "text", "unsupported data file"),
     ],
 )

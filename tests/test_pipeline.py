@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,6 +68,7 @@ def test_stages_picks_a_subset_and_launch_is_used_for_training() -> None:
         ({"STAGES": "sft bogus"}, "error: unknown stage 'bogus'"),
         ({"PROFILE": "llama1b-16gb", "STAGES": "sft"}, "error: profile 'llama1b-16gb' has no stage 'sft'"),
         ({"PROFILE": "nope"}, "error: no profile configs/nope"),
+        ({"PROFILE": "accelerate"}, "error: no profile configs/accelerate"),  # launcher configs, no stages
     ],
 )
 def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) -> None:
@@ -73,3 +76,26 @@ def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) ->
     assert result.returncode == 2
     assert result.stdout == "", "nothing may run before the request is checked"
     assert result.stderr.strip().splitlines()[-1].startswith(message)
+
+
+@pytest.mark.slow
+def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path) -> None:
+    """accelerate reports any failed child as exit 1 with a traceback; the pipeline keeps the stage's own 2."""
+    (tmp_path / "configs" / "broken").mkdir(parents=True)
+    for name in ["pipeline.sh", "scripts"]:
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(
+        (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
+    )
+    result = subprocess.run(
+        ["bash", str(tmp_path / "pipeline.sh")],
+        cwd=tmp_path,
+        env={**os.environ, "PROFILE": "broken", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "does not exist" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

@@ -175,6 +175,8 @@ def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo
         (["--positive_label", "LABEL_7"], "reward model has no label 'LABEL_7'"),
         (["--resume_from_checkpoint", "latest"], "no checkpoint to resume"),
         (["--kl_estimator", "huge"], "invalid choice"),
+        # a causal LM has the label LABEL_0 too, but its classification head would be random
+        (["--reward_model", "demo://lm", "--positive_label", "LABEL_0"], "not a trained sequence classifier"),
     ],
 )
 def test_bad_config_exits_2(tmp_path: Path, demo_cache: Path, extra: list[str], message: str) -> None:
@@ -196,3 +198,139 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, dem
     line = error_line(result)
     assert "non-finite" in line and str(checkpoint) in line
     assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# --- what a resume refuses ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ppo_checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+    """A 2-step run that kept both checkpoints; tests copy them before changing anything."""
+    out = tmp_path_factory.mktemp("ppo-ckpt") / "run"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--save_steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out.with_name("run.checkpoints")
+
+
+def _copy(checkpoints: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(checkpoints, tmp_path / "run.checkpoints"))
+
+
+class _Payload:
+    """What a crafted checkpoint smuggles in: unpickling it would create `path`."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["optimizer.pt", "value_head.pt"])
+def test_a_crafted_checkpoint_file_is_refused_without_running(
+    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path, name: str
+) -> None:
+    root = _copy(ppo_checkpoints, tmp_path)
+    ran = tmp_path / "payload-ran"
+    torch.save({"state": _Payload(ran)}, root / "step-2" / name)
+    result = _ppo(tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert name in error_line(result) and "refused" in error_line(result)
+    assert not ran.exists(), "the checkpoint's payload ran"
+
+
+@pytest.mark.slow
+def test_a_truncated_adapter_names_the_file_and_the_previous_checkpoint(
+    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path
+) -> None:
+    root = _copy(ppo_checkpoints, tmp_path)
+    adapter = root / "step-2" / "adapter" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[:100])
+    result = _ppo(tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = error_line(result)
+    assert str(adapter) in line and f"resume from {root / 'step-1'}" in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("change", "allowed"),
+    [(["--lora_r", "8"], False), (["--batch_size", "8"], False), (["--log_samples", "2"], True)],
+)
+def test_resume_refuses_settings_that_change_the_model_or_data(
+    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path, change: list[str], allowed: bool
+) -> None:
+    root = _copy(ppo_checkpoints, tmp_path)
+    result = _ppo(
+        tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", str(root / "step-2"), *change
+    )
+    if allowed:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"changed setting: {change[0].removeprefix('--')}" in result.stdout
+    else:
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert f"was made with {change[0].removeprefix('--')}=" in error_line(result)
+
+
+def _adapter_from(tmp_path: Path, stage: str, model: str | None) -> Path:
+    """An adapter directory as a stage writes it: peft's config, and the run's config and info."""
+    import yaml
+
+    adapter = tmp_path / f"{stage}-adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": model}))
+    (adapter / "run_info.json").write_text(json.dumps({"stage": stage}))
+    (adapter / "run_config.yaml").write_text(yaml.safe_dump({"model_name_or_path": model}))
+    return adapter
+
+
+@pytest.mark.parametrize(
+    ("stage", "trained_on", "message"),
+    [
+        ("grpo", "demo://lm", "is the output of the grpo stage; eval takes the ppo stage's"),
+        ("sft", "demo://lm", "is the output of the sft stage"),  # already merged into the model
+        ("ppo", "demo://reasoner", "was trained on demo://reasoner, not demo://lm"),
+    ],
+)
+def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
+    tmp_path: Path, demo_cache: Path, stage: str, trained_on: str, message: str
+) -> None:
+    result = run_script(
+        "evaluate_sentiment.py",
+        "--config",
+        CONFIGS / "demo" / "eval.yaml",
+        "--model_name_or_path",
+        "demo://lm",
+        "--demo_cache_dir",
+        demo_cache,
+        "--adapter_dir",
+        _adapter_from(tmp_path, stage, trained_on),
+        "--output_dir",
+        tmp_path / "out",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in error_line(result)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_adapter_check_compares_resolved_paths(tmp_path: Path, demo_cache: Path, demo_root: Path) -> None:
+    from fitrl.config import UsageError
+    from fitrl.modeling import check_adapter_base
+
+    adapter = _adapter_from(tmp_path, "grpo", "demo://reasoner")
+    reasoner = str(demo_root / "reasoner")
+    (adapter / "run_info.json").write_text(json.dumps({"stage": "grpo", "resolved_model_path": reasoner}))
+    # the same base named by its path, by a path with a detour, or by its demo:// name: accepted
+    for name in [reasoner, str(demo_root / "lm" / ".." / "reasoner"), "demo://reasoner"]:
+        check_adapter_base(adapter, name, reasoner, "eval_gsm8k", force=False, producer="grpo")
+    with pytest.raises(UsageError, match="was trained on demo://reasoner"):
+        check_adapter_base(adapter, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=False, producer="grpo")
+    check_adapter_base(adapter, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=True, producer="grpo")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "adapter_config.json").write_text("{}")
+    with pytest.raises(UsageError, match="records no base model"):
+        check_adapter_base(bare, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=False, producer="grpo")

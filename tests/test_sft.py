@@ -142,3 +142,32 @@ def test_non_empty_output_dir_is_refused_without_overwrite(tmp_path: Path, demo_
     result = _sft(out, demo_cache, "--overwrite_output_dir", "false")
     assert result.returncode == 2 and "not empty" in error_line(result)
     assert (out / "keep.txt").read_text() == "precious"
+
+
+@pytest.mark.slow
+def test_the_same_seed_gives_the_same_adapter_whatever_ran_before(tmp_path: Path, demo_cache: Path) -> None:
+    """The seed covers the LoRA init: two runs after different random draws write identical adapters."""
+    from conftest import load_script
+
+    sft = load_script("sft_lora")
+    digests = []
+    for junk_seed in [0, 1]:
+        torch.manual_seed(junk_seed)  # whatever a launcher or an import drew before the stage starts
+        torch.rand(7)
+        out = tmp_path / f"run{junk_seed}"
+        sft.main(
+            [
+                "--config",
+                str(SFT_YAML),
+                "--demo_cache_dir",
+                str(demo_cache),
+                "--output_dir",
+                str(out),
+                "--max_steps",
+                "2",
+                "--report_to",
+                "none",
+            ]
+        )
+        digests.append((out / "adapter_model.safetensors").read_bytes())
+    assert digests[0] == digests[1]

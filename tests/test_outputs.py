@@ -1,0 +1,84 @@
+"""Nothing lost: where a stage may write, and what --overwrite_output_dir may replace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fitrl.config import UsageError
+from fitrl.outputs import OUTPUT_MARKER, check_output_dir, staged_output_dir
+
+from conftest import load_script
+
+
+def _precious(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "precious.txt").write_text("a user's file")
+    return directory / "precious.txt"
+
+
+@pytest.mark.parametrize("where", [".", "..", "home", "root"])
+def test_cwd_its_parents_home_and_root_are_refused_even_with_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    work = tmp_path / "home" / "work"
+    keep = _precious(work)
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    target = {"home": str(tmp_path / "home"), "root": "/"}.get(where, where)
+    merge = load_script("merge_adapter")
+    with pytest.raises(SystemExit) as exit_info:
+        merge.main(["--adapter_dir", str(work), "--output_dir", target, "--overwrite_output_dir", "true"])
+    assert exit_info.value.code == 2
+    assert keep.read_text() == "a user's file"
+    with pytest.raises(UsageError, match="current, home or root directory"):
+        check_output_dir(target, overwrite=True)
+
+
+@pytest.mark.parametrize("relation", ["equal", "inside", "containing"])
+def test_an_output_overlapping_an_input_is_refused(tmp_path: Path, relation: str) -> None:
+    adapter = tmp_path / "runs" / "sft"
+    keep = _precious(adapter)
+    output = {"equal": adapter, "inside": adapter / "merged", "containing": tmp_path / "runs"}[relation]
+    with pytest.raises(UsageError, match=f"overlaps the stage's input {adapter}"):
+        check_output_dir(output, overwrite=True, inputs=[str(adapter), "some/hub-id", None])
+    assert keep.is_file()
+
+
+def test_merge_into_its_own_adapter_dir_keeps_the_adapter(tmp_path: Path) -> None:
+    adapter = tmp_path / "sft"
+    keep = _precious(adapter)
+    merge = load_script("merge_adapter")
+    with pytest.raises(SystemExit) as exit_info:
+        merge.main(["--adapter_dir", str(adapter), "--output_dir", str(adapter), "--overwrite_output_dir", "true"])
+    assert exit_info.value.code == 2 and keep.is_file()
+
+
+def test_overwrite_refuses_a_directory_fitrl_did_not_write(tmp_path: Path) -> None:
+    keep = _precious(tmp_path / "mine")
+    with pytest.raises(UsageError, match="not written by fitrl"):
+        check_output_dir(tmp_path / "mine", overwrite=True)
+    with pytest.raises(UsageError, match="not written by fitrl"), staged_output_dir(tmp_path / "mine", True):
+        pass
+    assert keep.is_file()
+
+
+def test_overwrite_replaces_what_fitrl_wrote_and_nothing_else(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with staged_output_dir(out, stage="test") as staging:
+        (staging / "metrics.jsonl").write_text("{}\n")
+        (staging / "sub").mkdir()
+        (staging / "sub" / "weights.bin").write_bytes(b"0")
+    marker = json.loads((out / OUTPUT_MARKER).read_text())
+    assert marker == {"fitrl_stage": "test", "files": ["metrics.jsonl", "sub/weights.bin"]}
+    # a second run may replace its own output...
+    with staged_output_dir(out, overwrite=True, stage="test") as staging:
+        (staging / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n' and not (out / "sub").exists()
+    # ...but not a file a user put there since
+    keep = _precious(out)
+    with pytest.raises(UsageError, match="holds precious.txt, which fitrl did not write"):
+        check_output_dir(out, overwrite=True)
+    assert keep.is_file()
