@@ -34,9 +34,15 @@ def format_solution(answer: str) -> str:
     return f"<reasoning>\n{reasoning}\n</reasoning>\n<answer>\n{gold.strip()}\n</answer>"
 
 
-def prompt_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
-    """The chat a model answers: the format instruction as the system message, then the question."""
-    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
+def prompt_messages(
+    question: str, system_prompt: str = SYSTEM_PROMPT, examples: list[tuple[str, str]] = ()
+) -> list[dict[str, str]]:
+    """The chat a model answers: the format instruction as the system message, then the question.
+
+    `examples` (question, solution in the format) come first as earlier turns: few-shot prompting.
+    """
+    shots = [{"role": r, "content": c} for q, a in examples for r, c in (("user", q), ("assistant", a))]
+    return [{"role": "system", "content": system_prompt}, *shots, {"role": "user", "content": question}]
 
 
 def ensure_chat_template(tokenizer: Any) -> bool:

@@ -85,6 +85,18 @@ def load_dataset_any(
         raise UsageError(f"cannot read dataset {source}: {type(e).__name__}: {first_line(e)}") from None
 
 
+def split_name(source: str, split: str) -> str:
+    """The split a dataset was read as: a local file's own name (`test.jsonl` is 'test'), else `split`."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path.stem
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_FORMATS)
+        matching = [p for p in files if p.stem == split] or files
+        return "+".join(p.stem for p in matching) or split
+    return split
+
+
 def require_columns(
     dataset: Any, columns: Sequence[str], source: str, fix: str = "pick the right column in the config"
 ) -> None:

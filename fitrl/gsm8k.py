@@ -7,14 +7,17 @@ completions in `fitrl.rollout`.
 
 from __future__ import annotations
 
+import dataclasses
+import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import SYSTEM_PROMPT, prompt_messages, render_prompt
+from fitrl.answer_format import SYSTEM_PROMPT, format_solution, prompt_messages, render_prompt
 from fitrl.config import UsageError, check, help_field
 from fitrl.data import load_dataset_any, require_columns
-from fitrl.rewards import extract_gold, parse_number
+from fitrl.rewards import extract_answer, extract_gold, is_correct, parse_gold, read_answer
 
 METRIC_PATH = Path(__file__).parent / "metrics" / "gsm8k_accuracy"
 
@@ -57,7 +60,7 @@ def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, l
             raise UsageError(
                 f"dataset {args.dataset} row {i}: answer has no '#### <number>' line; GSM8K answers end with one"
             )
-        if parse_number(gold) is None:
+        if parse_gold(gold) is None:
             skipped.append({"row": i, "gold": gold})
             continue
         keep.append(i)
@@ -68,9 +71,11 @@ def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, l
     return ds, skipped
 
 
-def add_prompts(ds: Any, tokenizer: Any, system_prompt: str, max_prompt_length: int) -> tuple[Any, int]:
+def add_prompts(
+    ds: Any, tokenizer: Any, system_prompt: str, max_prompt_length: int, examples: list[tuple[str, str]] = ()
+) -> tuple[Any, int]:
     """Add the chat `prompt` column; drop the prompts longer than `max_prompt_length` tokens (returns how many)."""
-    ds = ds.map(lambda r: {"prompt": prompt_messages(r["question"], system_prompt)})
+    ds = ds.map(lambda r: {"prompt": prompt_messages(r["question"], system_prompt, list(examples))})
     lengths = [len(tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids) for p in ds["prompt"]]
     keep = [i for i, n in enumerate(lengths) if n <= max_prompt_length]
     dropped = len(ds) - len(keep)
@@ -80,6 +85,64 @@ def add_prompts(ds: Any, tokenizer: Any, system_prompt: str, max_prompt_length: 
             f"(shortest: {min(lengths)}); raise max_prompt_length"
         )
     return ds.select(keep), dropped
+
+
+def fewshot_examples(args: GSM8KDataArguments, k: int, seed: int, demo_cache_dir: str) -> list[tuple[str, str]]:
+    """`k` solved problems from the train split (drawn with `seed`), as (question, solution in the format)."""
+    if k == 0:
+        return []
+    train, _ = load_problems(dataclasses.replace(args, dataset_split="train", max_samples=None), demo_cache_dir)
+    if len(train) < k:
+        raise UsageError(f"num_fewshot={k} but the train split has {len(train)} problems; lower num_fewshot")
+    rows = random.Random(seed).sample(range(len(train)), k)
+    return [(train[i]["question"], format_solution(train[i]["answer"])) for i in rows]
+
+
+# lm-evaluation-harness's two GSM8K extractions (its gsm8k task: "strict-match" and "flexible-extract"),
+# so that a result sits beside published numbers computed the same way.
+_HARNESS_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_HARNESS_FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+
+
+def _harness_clean(text: str) -> str:
+    """The harness's `regexes_to_ignore`: commas, dollar signs, everything up to '#### ', a final period."""
+    for pattern in [",", "\\$", "(?s).*#### ", "\\.$"]:
+        text = re.sub(pattern, "", text)
+    return text.strip().lower()
+
+
+def harness_answers(completion: str) -> tuple[str | None, str | None]:
+    """The (strict-match, flexible-extract) answers lm-evaluation-harness reads in a completion."""
+    strict = _HARNESS_STRICT.search(completion)
+    flexible = _HARNESS_FLEXIBLE.findall(completion)
+    last = next((g for g in flexible[-1] if g), None) if flexible else None
+    return (strict[1] if strict else None), last
+
+
+def failure_kind(completion: str, gold: str) -> str | None:
+    """Why a completion scores 0: 'no_answer_block', 'unparsable_answer' or 'wrong_number'; None if correct."""
+    answer = extract_answer(completion)
+    if answer is None:
+        return "no_answer_block"
+    if read_answer(answer) is None:
+        return "unparsable_answer"
+    return None if is_correct(completion, gold) else "wrong_number"
+
+
+def grade(predictions: list[list[str]], golds: list[str]) -> dict[str, Any]:
+    """Beside fitrl's accuracy: the harness's two accuracies and why the other completions failed."""
+    strict = flexible = n = 0
+    failures = dict.fromkeys(["no_answer_block", "unparsable_answer", "wrong_number"], 0)
+    for completions, gold in zip(predictions, golds):
+        for c in completions:
+            s, f = harness_answers(c)
+            strict += s is not None and _harness_clean(s) == _harness_clean(gold)
+            flexible += f is not None and _harness_clean(f) == _harness_clean(gold)
+            kind = failure_kind(c, gold)
+            if kind is not None:
+                failures[kind] += 1
+            n += 1
+    return {"harness_strict_match": strict / n, "harness_flexible_extract": flexible / n, "failures": failures}
 
 
 def load_accuracy_metric() -> Any:

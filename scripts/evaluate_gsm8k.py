@@ -21,11 +21,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
 from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
+from fitrl.data import split_name
 from fitrl.demo import DemoArguments
-from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_accuracy_metric, load_problems
+from fitrl.gsm8k import (
+    GSM8KDataArguments,
+    add_prompts,
+    failure_kind,
+    fewshot_examples,
+    grade,
+    load_accuracy_metric,
+    load_problems,
+)
 from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
@@ -44,7 +54,11 @@ class EvalArguments:
     )
     temperature: float = help_field(0.0, "0: greedy decoding; > 0: sampling at this temperature (needed for k > 1).")
     max_new_tokens: int = help_field(786, "Longest completion in tokens.")
-    batch_size: int = help_field(16, "Problems per generation batch.")
+    batch_size: int = help_field(64, "Problems per generation batch.")
+    num_fewshot: int = help_field(
+        0, "Solved train problems shown before each question (published base-model baselines use 8)."
+    )
+    fewshot_seed: int = help_field(1234, "Which train problems the few-shot examples are.")
     compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
     seed: int = help_field(0, "Random seed of the sampling.")
     force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
@@ -55,6 +69,7 @@ class EvalArguments:
         check(self.num_samples == 1 or self.temperature > 0, "temperature", "> 0 when num_samples > 1 (pass@k samples)")
         check(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
         check(self.batch_size >= 1, "batch_size", ">= 1")
+        check(self.num_fewshot >= 0, "num_fewshot", ">= 0")
 
 
 CONFIG_TYPES = [ModelArguments, GSM8KDataArguments, EvalArguments, DemoArguments]
@@ -83,7 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
     ensure_chat_template(tokenizer)
-    dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
+    examples = fewshot_examples(data_args, args.num_fewshot, args.fewshot_seed, demo_args.demo_cache_dir)
+    dataset, n_too_long = add_prompts(
+        problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length, examples
+    )
 
     import torch
     from tqdm.auto import tqdm
@@ -113,30 +131,21 @@ def main(argv: list[str] | None = None) -> None:
                 )
 
         completions = complete("with adapter" if adapter else "generating")
-        scores = metric.compute(predictions=completions, references=dataset["gold"])
+        golds = dataset["gold"]
+        scores = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
         base_scores = None
         if adapter is not None and args.compare_to_base:
             with model.disable_adapter():
                 base_completions = complete("adapter off")
-            base_scores = metric.compute(predictions=base_completions, references=dataset["gold"])
-        with (out / "completions.jsonl").open("w") as f:
-            for question, gold, comps in zip(dataset["question"], dataset["gold"], completions):
-                for sample, text in enumerate(comps):
-                    row = {
-                        "question": question,
-                        "gold": gold,
-                        "sample": sample,
-                        "completion": text,
-                        "parsed_answer": extract_answer(text),
-                        "correct": is_correct(text, gold),
-                        "strict_format": is_strict_format(text),
-                    }
-                    f.write(json.dumps(row) + "\n")
+            base_scores = {**metric.compute(predictions=base_completions, references=golds)}
+            base_scores.update(grade(base_completions, golds))
+        write_completions(out / "completions.jsonl", dataset, completions)
         summary = {
             "model": model_args.model_name_or_path,
             "adapter": str(adapter) if adapter else None,
             "dataset": data_args.dataset,
-            "split": data_args.dataset_split,
+            "split": split_name(data_args.dataset, data_args.dataset_split),
+            "num_fewshot": args.num_fewshot,
             "problems": len(dataset),
             "skipped_non_numeric_gold": len(skipped),
             "dropped_long_prompts": n_too_long,
@@ -147,19 +156,49 @@ def main(argv: list[str] | None = None) -> None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         save_run_config(out, model_args, data_args, args, demo_args)
 
+    print_summary(summary, skipped, args.output_dir, data_args.max_prompt_length)
+
+
+def write_completions(path: Path, dataset: Any, completions: list[list[str]]) -> None:
+    """One row per completion: what it answered, how it was graded, and why it failed if it did."""
+    with path.open("w") as f:
+        for question, gold, comps in zip(dataset["question"], dataset["gold"], completions):
+            for sample, text in enumerate(comps):
+                row = {
+                    "question": question,
+                    "gold": gold,
+                    "sample": sample,
+                    "completion": text,
+                    "parsed_answer": extract_answer(text),
+                    "correct": is_correct(text, gold),
+                    "failure": failure_kind(text, gold),
+                    "strict_format": is_strict_format(text),
+                }
+                f.write(json.dumps(row) + "\n")
+
+
+def print_summary(summary: dict, skipped: list, output_dir: str, max_prompt_length: int) -> None:
     k = summary["k"]
-    line = f"GSM8K {data_args.dataset_split}: accuracy {summary['accuracy']:.1%}"
+    line = f"GSM8K {summary['split']}: accuracy {summary['accuracy']:.1%}"
     if k > 1:
         line += f", pass@{k} {summary['pass_at_k']:.1%}"
-    print(f"{line}, format compliance {summary['format_compliance']:.1%} on {len(dataset)} problems")
-    if base_scores is not None:
+    print(f"{line}, format compliance {summary['format_compliance']:.1%} on {summary['problems']} problems")
+    print(
+        f"  lm-evaluation-harness extractions: strict-match {summary['harness_strict_match']:.1%}, "
+        f"flexible-extract {summary['harness_flexible_extract']:.1%}; failures {summary['failures']}"
+    )
+    base = summary["without_adapter"]
+    if base is not None:
         print(
-            f"  without the adapter: accuracy {base_scores['accuracy']:.1%}, "
-            f"format compliance {base_scores['format_compliance']:.1%}"
+            f"  without the adapter: accuracy {base['accuracy']:.1%}, "
+            f"format compliance {base['format_compliance']:.1%}, "
+            f"flexible-extract {base['harness_flexible_extract']:.1%}"
         )
     if skipped:
         print(f"skipped {len(skipped)} problems whose gold answer is not a number, e.g. {skipped[0]['gold']!r}")
-    print(f"per-example completions in {Path(args.output_dir) / 'completions.jsonl'}")
+    if summary["dropped_long_prompts"]:
+        print(f"dropped {summary['dropped_long_prompts']} prompts longer than {max_prompt_length} tokens")
+    print(f"per-example completions in {Path(output_dir) / 'completions.jsonl'}")
 
 
 if __name__ == "__main__":

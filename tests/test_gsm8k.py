@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -275,11 +276,25 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert summary["problems"] == 2 and summary["k"] == 3 and len(rows) == 6
-    assert set(rows[0]) == {"question", "gold", "sample", "completion", "parsed_answer", "correct", "strict_format"}
+    assert set(rows[0]) == {
+        "question",
+        "gold",
+        "sample",
+        "completion",
+        "parsed_answer",
+        "correct",
+        "failure",
+        "strict_format",
+    }
     # the summary is the metric over exactly these completions
     assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 6)
     assert summary["format_compliance"] == pytest.approx(sum(r["strict_format"] for r in rows) / 6)
-    assert set(summary["without_adapter"]) == {"accuracy", "pass_at_k", "format_compliance", "k"}
+    scores = {"accuracy", "pass_at_k", "format_compliance", "k", "harness_strict_match", "harness_flexible_extract"}
+    assert set(summary["without_adapter"]) == scores | {"failures"}
+    # every completion that is not correct says why, and the summary counts the same reasons
+    assert all((r["failure"] is None) == r["correct"] for r in rows)
+    assert sum(summary["failures"].values()) == sum(not r["correct"] for r in rows)
+    assert summary["split"] == "test"  # a local test.jsonl is the test split, whatever dataset_split says
 
 
 @pytest.mark.slow
@@ -410,3 +425,37 @@ def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_
     assert (again / name).read_bytes() == (grpo_smoke / name).read_bytes()
     rewards = [[r["reward"] for r in read_jsonl(d / "metrics.jsonl") if "reward" in r] for d in (grpo_smoke, again)]
     assert rewards[0] == rewards[1]
+
+
+def test_fewshot_examples_are_solved_train_problems_before_the_question(demo_root: Path, demo_cache: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from fitrl.gsm8k import fewshot_examples
+
+    args = GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test")
+    examples = fewshot_examples(args, 2, seed=5, demo_cache_dir=str(demo_cache))
+    assert examples == fewshot_examples(args, 2, seed=5, demo_cache_dir=str(demo_cache))  # the seed fixes them
+    train_questions = set(
+        load_problems(dataclasses.replace(args, dataset_split="train"), str(demo_cache))[0]["question"]
+    )
+    assert all(q in train_questions and is_strict_format(a) for q, a in examples)
+    tok = AutoTokenizer.from_pretrained(demo_root / "lm")
+    ensure_chat_template(tok)
+    text = render_prompt(tok, prompt_messages("What is 2 + 2?", examples=examples))
+    assert text.index(examples[0][0]) < text.index(examples[1][0]) < text.index("What is 2 + 2?")
+    assert text.count("<answer>") == 1 + 2  # the system prompt's, then one per example
+    assert text.endswith("What is 2 + 2?\nAnswer:\n")
+    with pytest.raises(UsageError, match="lower num_fewshot"):
+        fewshot_examples(dataclasses.replace(args, max_samples=3), 10_000, 0, str(demo_cache))
+
+
+def test_harness_extractions_read_as_lm_evaluation_harness_does() -> None:
+    from fitrl.gsm8k import grade, harness_answers
+
+    assert harness_answers("so she pays 5 + 13 = 18.\n#### 18") == ("18", "18")
+    assert harness_answers("<answer>\n$1,000.\n</answer>") == (None, "$1,000.")
+    assert harness_answers("no number here") == (None, None)
+    completions = [["#### 1,000", "It is 1000."], ["<answer>\n7\n</answer>", "<answer>\nseven\n</answer>"]]
+    scores = grade(completions, ["1000", "7"])
+    assert scores["harness_strict_match"] == 0.25 and scores["harness_flexible_extract"] == 0.75
+    assert scores["failures"] == {"no_answer_block": 2, "unparsable_answer": 0, "wrong_number": 0}

@@ -27,8 +27,12 @@ def fmt(reasoning: str, answer: str) -> str:
 TABLE = [
     # the exact format, right answer
     (fmt("Janet has 16 - 3 - 4 = 9 eggs.\nShe sells them for 9 * 2 = 18.", "18"), "18", True, True, True),
-    # trailing newline is still the exact format
+    # whitespace a tokenizer adds is still the exact format: a trailing newline or blank line, a leading
+    # newline, a blank line between the blocks
     (fmt("9 * 2 = 18", "18") + "\n", "18", True, True, True),
+    (fmt("9 * 2 = 18", "18") + "\n\n", "18", True, True, True),
+    ("\n" + fmt("9 * 2 = 18", "18"), "18", True, True, True),
+    (fmt("9 * 2 = 18", "18").replace("</reasoning>\n", "</reasoning>\n\n"), "18", True, True, True),
     # right format, wrong number
     (fmt("9 * 2 = 16", "16"), "18", True, True, False),
     # units and currency are read the way a grader reads them
@@ -45,7 +49,7 @@ TABLE = [
     (fmt("...", "3"), "-3", True, True, False),
     (fmt("...", "1,00"), "100", True, True, False),  # a misplaced separator is not 100
     # not a number: no credit, and nothing is evaluated
-    (fmt("...", "eighteen"), "18", True, True, False),
+    (fmt("...", "eighteen"), "18", True, True, True),  # a grader reads numbers in words
     (fmt("...", "9 * 2"), "18", True, True, False),
     (fmt("...", "__import__('os').getcwd()"), "18", True, True, False),
     (fmt("...", "18 or 19"), "18", True, True, False),
@@ -60,7 +64,8 @@ TABLE = [
     ("<reasoning>\n<answer>\n5\n</answer>\n</reasoning>\n<answer>\n18\n</answer>", "18", False, True, True),
     (fmt("...", "7") + "\n<answer>\n18\n</answer>", "18", False, True, True),
     # malformed: unclosed blocks, answer without reasoning, plain text
-    ("<reasoning>\n9 * 2 = 18\n<answer>\n18", "18", False, False, False),
+    # an answer block the generation cut off still states its answer
+    ("<reasoning>\n9 * 2 = 18\n<answer>\n18", "18", False, False, True),
     ("<answer>\n18\n</answer>", "18", False, False, True),
     ("The answer is 18.", "18", False, False, False),
     ("", "18", False, False, False),
@@ -115,7 +120,8 @@ def test_extract_gold_and_answer() -> None:
     assert extract_gold("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
     assert extract_gold("no marker here") is None
     assert extract_answer("<answer> 1 </answer> then <answer>\n2\n</answer>") == "2"
-    assert extract_answer("<answer>\n2") is None
+    assert extract_answer("<answer>\n2") == "2"  # cut off by EOS or the length limit
+    assert extract_answer("<reasoning>\nno answer\n</reasoning>") is None
 
 
 def test_metric_accuracy_pass_at_k_and_format() -> None:
