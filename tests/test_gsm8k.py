@@ -459,3 +459,31 @@ def test_harness_extractions_read_as_lm_evaluation_harness_does() -> None:
     scores = grade(completions, ["1000", "7"])
     assert scores["harness_strict_match"] == 0.25 and scores["harness_flexible_extract"] == 0.75
     assert scores["failures"] == {"no_answer_block": 2, "unparsable_answer": 0, "wrong_number": 0}
+
+
+@pytest.mark.slow
+def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+    runs = []
+    for name in ["a", "b"]:
+        result = run_script(
+            "evaluate_gsm8k.py",
+            "--config",
+            CONFIGS / "demo" / "eval_gsm8k.yaml",
+            "--demo_cache_dir",
+            demo_cache,
+            "--adapter",
+            grpo_smoke,
+            "--output_dir",
+            tmp_path / name,
+            "--max_samples",
+            "8",
+            "--num_samples",
+            "2",
+            "--temperature",
+            "1.0",
+            "--max_new_tokens",
+            "32",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append([json.loads(line)["completion"] for line in (tmp_path / name / "completions.jsonl").open()])
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1

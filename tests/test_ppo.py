@@ -124,6 +124,24 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
     assert report["policy"]["mean"] == pytest.approx(report["reference"]["mean"] + gains.mean().item(), abs=1e-4)
     assert report["kl_mean"] > 0
     assert (out / "reward_hist.png").is_file() and "reference (adapter off)" in (out / "eval.md").read_text()
+    # the same seed gives the same evaluation, sample for sample
+    again = run_script(
+        "evaluate_sentiment.py",
+        "--config",
+        CONFIGS / "demo" / "eval.yaml",
+        "--model_name_or_path",
+        "demo://lm",
+        "--demo_cache_dir",
+        demo_cache,
+        "--adapter_dir",
+        ppo_run,
+        "--output_dir",
+        tmp_path / "again",
+        "--n_prompts",
+        "1000",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((tmp_path / "again" / "eval.json").read_text())["samples"] == report["samples"]
 
 
 @pytest.mark.slow
