@@ -19,10 +19,16 @@ def checkpoint_root(output_dir: str | Path) -> Path:
     return out.with_name(out.name + ".checkpoints")
 
 
+def _numbered(root: Path, prefix: str) -> dict[int, Path]:
+    """The `<prefix>-N` directories in `root`, by N."""
+    found = (p for p in root.glob(f"{prefix}-*") if p.name.removeprefix(f"{prefix}-").isdigit())
+    return {int(p.name.removeprefix(f"{prefix}-")): p for p in found}
+
+
 def latest_checkpoint(root: Path, prefix: str) -> Path | None:
     """The `<prefix>-N` directory in `root` with the largest N, or None."""
-    found = [p for p in root.glob(f"{prefix}-*") if p.name.removeprefix(f"{prefix}-").isdigit()]
-    return max(found, key=lambda p: int(p.name.removeprefix(f"{prefix}-")), default=None)
+    found = _numbered(root, prefix)
+    return found[max(found)] if found else None
 
 
 def find_checkpoint(resume: str | None, output_dir: str | Path, prefix: str, stage: str) -> Path | None:
@@ -46,11 +52,8 @@ def _suggest_previous(path: Path) -> str:
     prefix, _, number = path.name.rpartition("-")
     if not number.isdigit():
         return ""
-    older = [p for p in path.parent.glob(f"{prefix}-*") if p.name.rpartition("-")[2].isdigit()]
-    older = [p for p in older if int(p.name.rpartition("-")[2]) < int(number)]
-    if not older:
-        return ""
-    return f"; resume from {max(older, key=lambda p: int(p.name.rpartition('-')[2]))} instead"
+    older = {n: p for n, p in _numbered(path.parent, prefix).items() if n < int(number)}
+    return f"; resume from {older[max(older)]} instead" if older else ""
 
 
 def load_state(path: Path, device: Any = "cpu") -> Any:
@@ -110,6 +113,22 @@ RESUMABLE_CHANGES = {
     "verify_frozen_base",
     "demo_cache_dir",
 }
+
+
+def resume_checkpoint(
+    resume: str | None, output_dir: str | Path, prefix: str, stage: str, settings: dict[str, Any]
+) -> Path | None:
+    """The checkpoint `resume` names, its files readable and `settings` compatible with its own.
+
+    The harmless changes of settings are printed; None when not resuming.
+    """
+    path = find_checkpoint(resume, output_dir, prefix, stage)
+    if path is None:
+        return None
+    check_checkpoint_files(path)
+    for change in check_resume_config(path, settings):
+        print(f"resuming {path} with a changed setting: {change}")
+    return path
 
 
 def check_resume_config(checkpoint: Path, current: dict[str, Any]) -> list[str]:

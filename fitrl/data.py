@@ -17,10 +17,15 @@ from fitrl.config import UsageError, first_line, offline_note
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
+def _split_files(directory: Path, split: str) -> list[Path]:
+    """The data files of `directory` that `split` names (`test.jsonl` for 'test'), or all of them."""
+    files = sorted(p for p in directory.iterdir() if p.suffix in LOCAL_FORMATS)
+    return [p for p in files if p.stem == split] or files
+
+
 def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_FORMATS)
-        matching = [p for p in files if p.stem == split] or files
+        matching = _split_files(path, split)
         if not matching:
             raise UsageError(f"no .jsonl/.json/.csv/.parquet files in {path}")
         files = matching
@@ -91,9 +96,7 @@ def split_name(source: str, split: str) -> str:
     if path.is_file():
         return path.stem
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in LOCAL_FORMATS)
-        matching = [p for p in files if p.stem == split] or files
-        return "+".join(p.stem for p in matching) or split
+        return "+".join(p.stem for p in _split_files(path, split)) or split
     return split
 
 

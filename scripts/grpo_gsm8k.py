@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fitrl.answer_format import ensure_chat_template
-from fitrl.checkpoints import check_checkpoint_files, check_resume_config, checkpoint_root, find_checkpoint
+from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import (
     UsageError,
     check,
@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     # Every input is checked before the model loads: a typo should cost a second.
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
-    resume = checked_resume(configs)
+    resume_path = resume_checkpoint(
+        args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO", config_dict(*configs)
+    )
+    resume = str(resume_path) if resume_path else None
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
@@ -289,18 +292,6 @@ def start_metrics(out: Path, is_main: bool, resume: str | None) -> MetricsLog:
         for row in read_jsonl(Path(resume) / METRICS_NAME):
             metrics.log(row)
     return metrics
-
-
-def checked_resume(configs: tuple) -> str | None:
-    """The checkpoint to resume from, its files readable and its settings compatible; None when not resuming."""
-    args = configs[3]
-    path = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO")
-    if path is None:
-        return None
-    check_checkpoint_files(path)
-    for change in check_resume_config(path, config_dict(*configs)):
-        print(f"resuming {path} with a changed setting: {change}")
-    return str(path)
 
 
 def correct_train_loss(metrics: MetricsLog, resumed_at: int) -> None:

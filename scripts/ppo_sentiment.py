@@ -34,13 +34,11 @@ from torch import nn
 from fitrl import ppo
 from fitrl.checkpoints import (
     STATE_FILE,
-    check_checkpoint_files,
-    check_resume_config,
     checkpoint_root,
-    find_checkpoint,
     latest_checkpoint,
     load_safetensors,
     load_state,
+    resume_checkpoint,
 )
 from fitrl.config import (
     RunFailed,
@@ -285,11 +283,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     cache = demo_args.demo_cache_dir
     inputs = [model_args.model_name_or_path, prompt_args.dataset, reward_args.reward_model, args.resume_from_checkpoint]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
-    resume = find_checkpoint(args.resume_from_checkpoint, args.output_dir, "step", "PPO")
-    if resume is not None:
-        check_checkpoint_files(resume)
-        for change in check_resume_config(resume, config_dict(*configs)):
-            print(f"resuming {resume} with a changed setting: {change}")
+    resume = resume_checkpoint(args.resume_from_checkpoint, args.output_dir, "step", "PPO", config_dict(*configs))
     reward_path = resolve_model_path(reward_args.reward_model, cache, "reward model")
     check_reward_label(reward_path, reward_args.positive_label)
     model_path = resolve_model_path(model_args.model_name_or_path, cache)

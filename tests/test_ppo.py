@@ -94,10 +94,9 @@ def test_ppo_writes_outputs_and_leaves_the_base_untouched(ppo_run: Path, demo_ro
     assert "| query | response | reward |" in (ppo_run / "samples.md").read_text()
 
 
-@pytest.mark.slow
-def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path: Path) -> None:
-    out = tmp_path / "eval"
-    result = run_script(
+def _evaluate(out: Path, ppo_run: Path, demo_cache: Path):
+    """The sentiment evaluation of `ppo_run` on every held-out prompt the demo has."""
+    return run_script(
         "evaluate_sentiment.py",
         "--config",
         CONFIGS / "demo" / "eval.yaml",
@@ -112,6 +111,12 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
         "--n_prompts",
         "1000",
     )
+
+
+@pytest.mark.slow
+def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    result = _evaluate(out, ppo_run, demo_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "eval.json").read_text())
     # every held-out prompt the demo has (112 reviews of the test split are long enough)
@@ -125,21 +130,7 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
     assert report["kl_mean"] > 0
     assert (out / "reward_hist.png").is_file() and "reference (adapter off)" in (out / "eval.md").read_text()
     # the same seed gives the same evaluation, sample for sample
-    again = run_script(
-        "evaluate_sentiment.py",
-        "--config",
-        CONFIGS / "demo" / "eval.yaml",
-        "--model_name_or_path",
-        "demo://lm",
-        "--demo_cache_dir",
-        demo_cache,
-        "--adapter_dir",
-        ppo_run,
-        "--output_dir",
-        tmp_path / "again",
-        "--n_prompts",
-        "1000",
-    )
+    again = _evaluate(tmp_path / "again", ppo_run, demo_cache)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((tmp_path / "again" / "eval.json").read_text())["samples"] == report["samples"]
 
