@@ -1,14 +1,20 @@
-"""Measuring memory: peak resident set size (CPU RAM) while a block runs, and peak GPU memory."""
+"""Measuring memory: peak RSS (CPU RAM), peak GPU memory, and the peak of live tensor bytes (any device)."""
 
 from __future__ import annotations
 
 import resource
 import threading
 import time
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
+from typing import Any
 
 import psutil
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 class PeakRSS:
@@ -63,3 +69,68 @@ def peak_memory_mb() -> float:
     if gpu is not None:
         return gpu
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created while it is active, on any device, `meta` included.
+
+    Every aten op's fresh outputs (not views or in-place results: the op schema says which) are
+    counted until their storage is freed, so the peak is what an allocator would have to hold for
+    them, without slack. Tensors that existed before (the weights) are not counted: add them
+    yourself. `phase(name)` records the peak reached inside a named block in `phase_peaks`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = 0
+        self.phase_peaks: dict[str, int] = {}
+        self._phase: str | None = None
+        self._live: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        outs = out if len(returns) > 1 else (out,)
+        for ret, value in zip(returns, outs):
+            if ret.alias_info is None:
+                for t in tree_leaves(value):
+                    if isinstance(t, torch.Tensor):
+                        self._track(t)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        self._live.add(key)
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+        if self._phase is not None and self.current > self.phase_peaks[self._phase]:
+            self.phase_peaks[self._phase] = self.current
+        weakref.finalize(storage, self._free, key, nbytes)
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
+        self.current -= nbytes
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Record the peak of live bytes inside the block as `phase_peaks[name]` (the max over repeats)."""
+        outer, self._phase = self._phase, name
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.current)
+        try:
+            yield
+        finally:
+            self._phase = outer
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by `tensors`, each storage counted once (tied weights, views and shared state maps)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())

@@ -6,16 +6,19 @@ LoRA defaults behave the same in SFT, PPO and GRPO.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch import nn
 
 from fitrl import demo
 from fitrl.config import UsageError, check, first_line, help_field, offline_note
 from fitrl.distributed import process_state
+from fitrl.rollout import position_ids
 
 # LoRA targets per architecture when the config names none: the attention projections the
 # original LoRA paper and the peft examples use for each family.
@@ -33,6 +36,13 @@ DEFAULT_LORA_TARGETS: dict[str, list[str]] = {
     "gptj": ["q_proj", "v_proj"],
     "falcon": ["query_key_value"],
     "bloom": ["query_key_value"],
+}
+
+# The blog's LoRA targets: q, k, o and the MLP's up/down projections (fused names where the family fuses them).
+GRPO_LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
+    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
 
 Quantization = Literal["none", "8bit", "4bit"]
@@ -256,3 +266,24 @@ def check_adapter_base(
         f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
         "set model_name_or_path to its base (or pass --force true)"
     )
+
+
+class PolicyAndValue(nn.Module):
+    """The LoRA policy and the value head as one module, so DDP averages both sets of gradients."""
+
+    def __init__(self, policy: nn.Module, hidden_size: int):
+        super().__init__()
+        self.policy = policy
+        self.value_head = nn.Linear(hidden_size, 1)  # fp32 whatever the backbone's dtype
+        nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden_size + 1))
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            output_hidden_states=True,
+        )
+        values = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # (B, T)
+        return out.logits, values

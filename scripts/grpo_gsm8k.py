@@ -49,6 +49,7 @@ from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.hf_trainer import checkpoint_extras, quiet_progress, trainer_arguments, whole_run_train_loss
 from fitrl.memory import peak_memory_mb
 from fitrl.modeling import (
+    GRPO_LORA_TARGETS,
     LoraArguments,
     ModelArguments,
     load_causal_lm,
@@ -68,12 +69,6 @@ from fitrl.outputs import (
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
 
-# The blog's LoRA targets: q, k, o and the MLP's up/down projections (fused names where the family fuses them).
-GRPO_LORA_TARGETS = {
-    "llama": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"],
-    "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
-}
 # GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
 GRPO_SETTINGS = [
     "adam_beta1",

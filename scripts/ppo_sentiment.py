@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import time
 import warnings
@@ -54,9 +53,17 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only, tensor_digest
 from fitrl.memory import gpu_peak_mb
-from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.modeling import (
+    LoraArguments,
+    ModelArguments,
+    PolicyAndValue,
+    add_lora,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
 from fitrl.outputs import MetricsLog, check_output_dir, markdown_cell, plot_curves, staged_output_dir
-from fitrl.rollout import Rollout, decode, forward, position_ids, response_slice, sample_responses
+from fitrl.rollout import Rollout, decode, forward, response_slice, sample_responses
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
 
@@ -137,27 +144,6 @@ class PPOArguments:
 
 CONFIG_TYPES = [ModelArguments, LoraArguments, PromptArguments, RewardArguments, PPOArguments, DemoArguments]
 STAT_KEYS = ["pg_loss", "vf_loss", "clipfrac", "vf_clipfrac", "approx_kl", "ratio", "skipped"]
-
-
-class PolicyAndValue(nn.Module):
-    """The LoRA policy and the value head as one module, so DDP averages both sets of gradients."""
-
-    def __init__(self, policy: nn.Module, hidden_size: int):
-        super().__init__()
-        self.policy = policy
-        self.value_head = nn.Linear(hidden_size, 1)  # fp32 whatever the backbone's dtype
-        nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden_size + 1))
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-            output_hidden_states=True,
-        )
-        values = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # (B, T)
-        return out.logits, values
 
 
 @dataclass

@@ -1,0 +1,346 @@
+"""One step of a training stage under a tracker of live tensor bytes, on any device, `meta` included.
+
+On `meta` nothing is allocated, so the real architecture of gpt-neox-20b or Llama-3.1-8B runs a
+generation, the no-grad passes and a training micro-step on a laptop in seconds; on a CPU or GPU the
+same code measures real tensors. The planner (`fitrl.planner`) uses it three ways: its own answer
+extrapolates traces of one- and two-block models in depth; `--trace` runs the full depth; tests and
+`bench/` measure small models for real.
+
+What stands in for what cannot run on `meta`:
+- bitsandbytes' 8-bit and 4-bit layers: a frozen linear in the compute dtype that casts its input to
+  that dtype and its output back, as bitsandbytes does; their weights' bytes come from the planner's
+  count of the real quantized tensors, not from the stand-in.
+- attention: on `meta` torch takes its math path (the full (B, heads, T, T) scores); the trace calls
+  the flash kernel instead (output and log-sum-exp only), which is what sdpa runs on a GPU.
+- the optimizer step: its states are counted by the planner (exact bytes), not traced.
+
+Shapes follow the stages: SFT trains on (micro_batch, block) blocks; PPO generates `gen_batch`
+responses to `prompt_len`-token queries, scores them in `nograd_batch` rows with and without the
+adapter, and trains on micro-batches; GRPO generates `gen_batch` completions and trains through
+trl's fused LM head, which never materialises the logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fitrl import ppo
+from fitrl.memory import LiveTensorBytes
+from fitrl.modeling import PolicyAndValue
+from fitrl.rollout import position_ids
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step of a stage allocates depends on: the settings and shapes, in tokens and sequences."""
+
+    stage: str  # sft | ppo | grpo
+    quantization: str = "none"  # none | 8bit | 4bit
+    dtype: str = "bfloat16"  # the compute dtype: float32 | bfloat16 | float16
+    finetuning: str = "lora"  # lora | full
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    optimizer: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor
+    gradient_checkpointing: bool = False
+    micro_batch: int = 1  # sequences per training forward
+    prompt_len: int = 0  # PPO query / GRPO prompt tokens; 0 for SFT
+    completion_len: int = 512  # PPO response / GRPO completion tokens; SFT: the block size
+    gen_batch: int = 0  # sequences generated at once (0: no generation)
+    nograd_batch: int = 0  # sequences per no-grad pass (0: none)
+    reference_pass: bool = False  # log-probs with the adapter off
+    value_head: bool = False  # PPO's value head on the last hidden state
+    temperature: float = 1.0
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.completion_len
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization != "none"
+
+
+class KbitLinearStandIn(nn.Linear):
+    """A frozen bitsandbytes layer's arithmetic without its kernels: compute dtype in, input dtype out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+
+
+def truncated_config(config: Any, num_layers: int) -> Any:
+    """A copy of `config` with only the first `num_layers` blocks (per-layer lists cut to match)."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = num_layers
+    for key in ["layer_types", "sliding_window_pattern_list"]:
+        value = getattr(config, key, None)
+        if isinstance(value, list):
+            setattr(config, key, value[:num_layers])
+    return config
+
+
+def _output_embedding_names(model: nn.Module) -> set[str]:
+    head = model.get_output_embeddings()
+    return {name for name, module in model.named_modules() if module is head}
+
+
+def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Swap the linears bitsandbytes would quantize for stand-ins, and cast the rest to fp32 as
+    `peft.prepare_model_for_kbit_training` does (norms, embeddings, head and biases)."""
+    skip = _output_embedding_names(model)
+    for module_name, module in list(model.named_modules()):
+        if type(module) is nn.Linear and module_name not in skip:
+            module.__class__ = KbitLinearStandIn
+            module.weight.data = module.weight.data.to(compute_dtype)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not (isinstance(module, KbitLinearStandIn) and name == "weight"):
+                param.data = param.data.to(torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+
+def build(config: Any, w: Workload, device: str | torch.device, num_layers: int | None = None) -> nn.Module:
+    """The stage's trainable model from `config` (random weights) on `device`: LoRA or full, value head for PPO."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    if num_layers is not None:
+        config = truncated_config(config, num_layers)
+    dtype = TORCH_DTYPES[w.dtype]
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
+    model.config.pad_token_id = model.config.pad_token_id or 0
+    if w.quantized:
+        _stand_in_kbit(model, dtype)
+    if w.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if not w.quantized and w.finetuning == "lora":
+            model.enable_input_require_grads()
+        model.config.use_cache = False
+    if w.stage == "grpo":
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, temperature=w.temperature, outputs=("log_probs", "entropy"))
+    if w.finetuning == "lora":
+        targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
+        model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
+    if w.value_head:
+        model = PolicyAndValue(model, config.hidden_size)
+        model.value_head.to(device)
+    return model
+
+
+def _policy(model: nn.Module) -> nn.Module:
+    return model.policy if isinstance(model, PolicyAndValue) else model
+
+
+@contextlib.contextmanager
+def _adapter_off(model: nn.Module) -> Iterator[None]:
+    policy = _policy(model)
+    with policy.disable_adapter() if hasattr(policy, "disable_adapter") else contextlib.nullcontext():
+        yield
+
+
+def _flash_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.where(attn_mask, 0.0, -math.inf).to(q.dtype)
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out[0]
+
+
+@contextlib.contextmanager
+def meta_patches(device: str | torch.device) -> Iterator[None]:
+    """On `meta`: flash attention, transformers' mask helpers told not to read tensor values, no autocast."""
+    if torch.device(device).type != "meta":
+        yield
+        return
+    import transformers.masking_utils as masking
+
+    is_tracing, sdpa, autocast_on = masking.is_tracing, F.scaled_dot_product_attention, torch.is_autocast_enabled
+    masking.is_tracing = lambda t=None: (isinstance(t, torch.Tensor) and t.is_meta) or is_tracing(t)
+    F.scaled_dot_product_attention = _flash_sdpa
+    # autocast has no `meta` device type; trl's fused head asks
+    torch.is_autocast_enabled = lambda *a: False if a and str(a[0]) == "meta" else autocast_on(*a)
+    try:
+        yield
+    finally:
+        masking.is_tracing, F.scaled_dot_product_attention = is_tracing, sdpa
+        torch.is_autocast_enabled = autocast_on
+
+
+def _tokens(rows: int, length: int, device: Any, vocab: int) -> torch.Tensor:
+    if torch.device(device).type == "meta":
+        return torch.zeros(rows, length, dtype=torch.long, device=device)
+    return torch.randint(0, vocab, (rows, length), device=device)
+
+
+@torch.no_grad()
+def generation(model: nn.Module, w: Workload, device: Any, vocab: int, new_tokens: int | None = None) -> None:
+    """Prefill `gen_batch` prompts, then decode with the KV cache, as `generate` does (last-token logits only)."""
+    from transformers import DynamicCache
+
+    policy = _policy(model)
+    policy.eval()
+    rows, steps = w.gen_batch, w.completion_len if new_tokens is None else new_tokens
+    ids = _tokens(rows, w.prompt_len, device, vocab)
+    mask = torch.ones_like(ids)
+    cache = DynamicCache(config=policy.config)
+    out = policy(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+    for _ in range(steps):
+        scores = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+        next_ids = scores.softmax(-1).argmax(-1, keepdim=True)
+        mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+        out = policy(
+            input_ids=next_ids,
+            attention_mask=mask,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    del out, cache
+
+
+@torch.no_grad()
+def nograd_pass(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
+    """PPO: old log-probs, values, entropy and reference log-probs of one `nograd_batch` chunk."""
+    model.eval()
+    ids = _tokens(w.nograd_batch, w.seq_len, device, vocab)
+    mask = torch.ones_like(ids)
+    responses, q = ids[:, w.prompt_len :], w.prompt_len
+    logits, values = model(ids, mask)
+    with _adapter_off(model):
+        ref_logits = _policy(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    logits, ref_logits = logits[:, q - 1 : -1], ref_logits[:, q - 1 : -1]
+    logprobs = ppo.logprobs_from_logits(logits, responses)
+    ref_logprobs = ppo.logprobs_from_logits(ref_logits, responses)
+    kl = ppo.kl_penalty(logprobs, ref_logprobs)
+    entropy = ppo.entropy_from_logits(logits)
+    del logits, ref_logits, values, kl, entropy
+
+
+@torch.no_grad()
+def grpo_logprob_pass(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
+    """GRPO: reference log-probs (adapter off) of one micro-batch through the fused head."""
+    ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
+    mask = torch.ones_like(ids)
+    with _adapter_off(model):
+        _grpo_logprobs(model, ids, mask, w.completion_len)
+
+
+def _grpo_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> tuple:
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -keep:], out.entropy[:, -keep:]
+
+
+def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
+    """One forward and backward of the stage's loss on a micro-batch; gradients accumulate."""
+    model.train()
+    ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
+    mask = torch.ones_like(ids)
+    if w.stage == "sft":
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    elif w.stage == "ppo":
+        q, zeros = w.prompt_len, torch.zeros(w.micro_batch, w.completion_len, device=device)
+        logits, values = model(ids, mask)
+        logprobs = ppo.logprobs_from_logits(logits[:, q - 1 : -1], ids[:, q:])
+        pg = ppo.policy_loss(logprobs, zeros, zeros, zeros + 1, 0.2)
+        vf_loss, _ = ppo.value_loss(values[:, q - 1 : -1], zeros, zeros, zeros + 1, 0.2)
+        loss = pg.loss + 0.1 * vf_loss
+    else:  # grpo, trl's dapo loss with one iteration: ratio exp(logp - logp.detach())
+        logps, _entropy = _grpo_logprobs(model, ids, mask, w.completion_len)
+        advantages = torch.zeros(w.micro_batch, 1, device=device)
+        loss = -(torch.exp(logps - logps.detach()) * advantages).mean()
+    loss.backward()
+
+
+def trace_step(
+    model: nn.Module, w: Workload, device: Any, micro_steps: int = 2, new_tokens: int | None = None
+) -> dict[str, int]:
+    """Peak live bytes per phase of one stage step, beyond the tensors that exist before it (the weights).
+
+    The training phase runs `micro_steps` accumulating micro-steps, so its peak includes gradients
+    held from the one before, as under gradient accumulation. `new_tokens` shortens the generation.
+    """
+    vocab = _policy(model).config.vocab_size
+    tracker = LiveTensorBytes()
+    with meta_patches(device), tracker:
+        if w.gen_batch:
+            with tracker.phase("generation"):
+                generation(model, w, device, vocab, new_tokens)
+        if w.stage == "ppo" and w.nograd_batch:
+            with tracker.phase("no-grad pass"):
+                nograd_pass(model, w, device, vocab)
+        if w.stage == "grpo" and w.reference_pass:
+            with tracker.phase("no-grad pass"):
+                grpo_logprob_pass(model, w, device, vocab)
+        with tracker.phase("training step"):
+            for _ in range(micro_steps):
+                training_micro_step(model, w, device, vocab)
+    for p in model.parameters():
+        p.grad = None
+    return tracker.phase_peaks
+
+
+def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
+    """The optimizer a stage builds for the trainable parameters (bitsandbytes for the 8-bit and paged ones)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer in ("adamw", "adamw_torch"):
+        return torch.optim.AdamW(params, lr=1e-5)
+    import bitsandbytes as bnb
+
+    if optimizer in ("adamw_8bit", "adamw_bnb_8bit"):
+        return bnb.optim.AdamW8bit(params, lr=1e-5)
+    if optimizer == "paged_adamw_8bit":
+        return bnb.optim.PagedAdamW8bit(params, lr=1e-5)
+    if optimizer == "paged_adamw_32bit":
+        return bnb.optim.PagedAdamW32bit(params, lr=1e-5)
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=1e-5, relative_step=False, scale_parameter=False)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def measure_step(model: nn.Module, w: Workload, device: str | torch.device = "cpu") -> dict[str, int]:
+    """Total live tensor bytes at each phase's peak of a real step: the model's own tensors, the
+    optimizer's states after a first step, and what the step allocates (the same `trace_step`)."""
+    from fitrl.memory import tensor_bytes
+
+    optimizer = make_optimizer(model, w.optimizer)
+    vocab = _policy(model).config.vocab_size
+    with meta_patches(device):
+        training_micro_step(model, w, device, vocab)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    held = tensor_bytes([*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
+    return {phase: held + b for phase, b in trace_step(model, w, device).items()}

@@ -1,0 +1,595 @@
+"""Will it fit? The peak memory of an SFT, PPO or GRPO run, before a single weight loads.
+
+The plan has two kinds of parts:
+
+- **static bytes, counted exactly**: the base as held in memory (fp32/bf16/fp16, or bitsandbytes'
+  int8 weights with their fp32 scales, or packed nf4 with double-quantized block scales, and the
+  modules bitsandbytes keeps unquantized, cast to fp32 by k-bit training preparation), the LoRA
+  adapter and value head, their gradients and the optimizer's states (AdamW, bitsandbytes' 8-bit
+  and paged ones, Adafactor), and the reward model. They are counted on the model's real module
+  tree, built on the `meta` device from its `config.json`: nothing is allocated.
+- **what a step allocates, per phase** (generation with its KV cache, the no-grad passes, the
+  training micro-step with its activations, logits and log-prob buffers and their fp32 upcasts):
+  `fitrl.memtrace` runs the stage's step on one- and two-block versions of the architecture on
+  `meta`, and the plan extrapolates linearly in depth (every block adds the same bytes) and, for
+  generation, in the number of generated tokens (the KV cache grows by the same bytes per token).
+  No formula per model family to drift with each transformers release: the trace sees the real
+  attention, norms, LoRA wrapping, loss and fused heads.
+
+On top, for a GPU, two stated constants: the CUDA context (outside torch's allocator) and the
+caching allocator's slack. `--trace` runs the full depth on `meta` to check the extrapolation; tests
+and `bench/planner_accuracy.py` compare the plan with real tensors measured on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fitrl.config import UsageError
+from fitrl.memtrace import TORCH_DTYPES, Workload, build, trace_step
+from fitrl.modeling import DEFAULT_LORA_TARGETS, GRPO_LORA_TARGETS
+
+MODEL_CONFIGS = Path(__file__).parent / "model_configs"
+# Hub ids whose config.json ships with fitrl, so planning needs no download.
+KNOWN_MODELS = {
+    "EleutherAI/gpt-neox-20b": "gpt-neox-20b",
+    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
+    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
+    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-1.5B": "qwen2.5-1.5b",
+    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
+    "Qwen/Qwen2.5-3B": "qwen2.5-3b",
+    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
+    "Qwen/Qwen2.5-7B": "qwen2.5-7b",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "Qwen/Qwen2.5-14B": "qwen2.5-14b",
+    "Qwen/Qwen2.5-14B-Instruct": "qwen2.5-14b",
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+    "Qwen/Qwen3-4B": "qwen3-4b",
+    "Qwen/Qwen3-8B": "qwen3-8b",
+    "mistralai/Mistral-7B-v0.1": "mistral-7b",
+    "mistralai/Mistral-7B-Instruct-v0.2": "mistral-7b",
+    "google/gemma-2-2b": "gemma-2-2b",
+    "google/gemma-2-2b-it": "gemma-2-2b",
+    "lvwerra/distilbert-imdb": "distilbert-imdb",
+}
+GiB = 2**30
+MiB = 2**20
+# Memory a GPU process holds outside torch's allocator (CUDA context, cuBLAS workspace): ~0.3-0.9 GiB
+# depending on the card and driver; the plan takes the upper half of that range.
+CUDA_CONTEXT_BYTES = 640 * MiB
+# The caching allocator rounds and fragments what a step allocates and frees (the weights, allocated
+# once in large blocks, fragment little): reserved exceeds allocated by this share of the step's bytes.
+ALLOCATOR_SLACK = 0.10
+# bitsandbytes' 8-bit optimizers keep tensors smaller than this in 32 bits (`min_8bit_size`).
+BNB_MIN_8BIT_SIZE = 4096
+BNB_OPTIMIZER_BLOCK = 256
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+PHASES = ["generation", "no-grad pass", "training step"]
+STATIC = ["weights", "trainable_params", "gradients", "optimizer_states", "reward_model"]
+
+
+def architecture(name_or_path: str, demo_cache_dir: str | None = None) -> Any:
+    """The `PretrainedConfig` of a model: a local directory, a demo asset, a shipped config or the hub cache."""
+    from transformers import AutoConfig
+
+    from fitrl import demo
+
+    if demo.is_demo_uri(name_or_path):
+        name_or_path = str(demo.resolve(name_or_path, demo_cache_dir or demo.DEFAULT_CACHE_DIR))
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(path)
+    shipped = KNOWN_MODELS.get(name_or_path)
+    if shipped is not None:
+        values = json.loads((MODEL_CONFIGS / f"{shipped}.json").read_text())
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+    try:
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    hint = "it does not exist yet" if path.is_absolute() or name_or_path.startswith(".") else "no config.json found"
+    raise UsageError(
+        f"cannot plan for model {name_or_path}: {hint}; give a local model directory, a hub id in the hub cache, "
+        f"or --architecture with a shipped one (e.g. EleutherAI/gpt-neox-20b; all {len(KNOWN_MODELS)}: docs/memory.md)"
+    )
+
+
+# --- static bytes -----------------------------------------------------------------------------------
+
+
+def _quantized_bytes(numel: int, out_features: int, quantization: str) -> int:
+    """Bytes bitsandbytes holds for one quantized weight: int8 + fp32 row scales, or nf4 + double-quantized scales."""
+    if quantization == "8bit":
+        return numel + 4 * out_features  # int8 weight, SCB (fp32 per output row)
+    blocks = math.ceil(numel / NF4_BLOCK)
+    nested = math.ceil(blocks / NF4_NESTED_BLOCK)
+    # packed nf4, uint8 block scales, the nf4 code (16 fp32) and offset, fp32 nested scales and their 8-bit code
+    return (numel + 1) // 2 + blocks + 16 * 4 + 4 + nested * 4 + 256 * 4
+
+
+def _optimizer_bytes(params: list[Any], optimizer: str) -> int:
+    """Bytes of the optimizer's state for `params` (after its first step), as torch or bitsandbytes keep it."""
+    if not params:
+        return 0
+    if optimizer in ("adamw", "adamw_torch", "paged_adamw_32bit"):
+        step = 4 if optimizer != "paged_adamw_32bit" else 0  # torch keeps a scalar fp32 step per tensor
+        return sum(2 * p.numel() * (4 if optimizer == "paged_adamw_32bit" else p.element_size()) + step for p in params)
+    if optimizer == "adafactor":  # factored second moment for matrices, full for vectors (transformers' Adafactor)
+        return sum(4 * (sum(p.shape[-2:]) if p.dim() >= 2 else p.numel()) for p in params)
+    total, quantized = 0, False
+    for p in params:  # adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit
+        n = p.numel()
+        if n < BNB_MIN_8BIT_SIZE:
+            total += 2 * 4 * n
+        else:
+            quantized = True
+            total += 2 * (n + 4 * math.ceil(n / BNB_OPTIMIZER_BLOCK))  # uint8 states and their fp32 block maxima
+    return total + (2 * 256 * 4 if quantized else 0)  # the two quantization maps, shared by all tensors
+
+
+def static_bytes(config: Any, w: Workload) -> dict[str, int]:
+    """Exact bytes of the base as held, the trainable parameters, their gradients and the optimizer states."""
+    # Shapes do not change static bytes: one count serves every micro-batch and length.
+    shapeless = replace(w, micro_batch=1, prompt_len=0, completion_len=1, gen_batch=0, nograd_batch=0)
+    return dict(_static_bytes(_config_json(config), shapeless))
+
+
+@functools.lru_cache(maxsize=64)
+def _static_bytes(config_json: str, w: Workload) -> tuple[tuple[str, int], ...]:
+    from fitrl.memtrace import KbitLinearStandIn
+
+    model = build(_config_from_json(config_json), w, "meta")
+    seen: set[int] = set()
+    weights = trainable = 0
+    trainable_params = []
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p.requires_grad:
+                trainable_params.append(p)
+            if p.requires_grad and (w.finetuning == "lora" or module_name.startswith("value_head")):
+                trainable += p.numel() * p.element_size()  # the adapter and value head (full: the base is trained)
+            elif isinstance(module, KbitLinearStandIn) and name == "weight":
+                weights += _quantized_bytes(p.numel(), module.out_features, w.quantization)
+            else:
+                weights += p.numel() * p.element_size()
+        for b in module.buffers(recurse=False):
+            if id(b) not in seen:
+                seen.add(id(b))
+                weights += b.numel() * b.element_size()
+    return (
+        ("weights", weights),
+        ("trainable_params", trainable),
+        ("gradients", sum(p.numel() * p.element_size() for p in trainable_params)),
+        ("optimizer_states", _optimizer_bytes(trainable_params, w.optimizer)),
+    )
+
+
+def reward_model_bytes(name_or_path: str | None, demo_cache_dir: str | None = None) -> int:
+    """Bytes of the sentiment classifier PPO loads beside the policy (fp32, as `SentimentReward` loads it)."""
+    if not name_or_path:
+        return 0
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    config = architecture(name_or_path, demo_cache_dir)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * 4 for t in tensors.values())
+
+
+# --- what a step allocates ------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _traced(config_json: str, w: Workload, num_layers: int, new_tokens: int | None) -> tuple[tuple[str, int], ...]:
+    config = _config_from_json(config_json)
+    model = build(config, w, "meta", num_layers=num_layers)
+    return tuple(trace_step(model, w, "meta", new_tokens=new_tokens).items())
+
+
+def _config_from_json(config_json: str) -> Any:
+    from transformers import AutoConfig
+
+    values = json.loads(config_json)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def _config_json(config: Any) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True, default=str)
+
+
+GEN_TOKENS = (4, 8)  # generated tokens of the two short generations the plan extrapolates from
+
+
+def dynamic_bytes(config: Any, w: Workload) -> dict[str, int]:
+    """Peak bytes each phase allocates beyond the static parts, extrapolated from one- and two-block traces."""
+    layers, key = config.num_hidden_layers, _config_json(config)
+    phases: dict[str, float] = {}
+    one, two = dict(_traced(key, w, 1, GEN_TOKENS[0])), dict(_traced(key, w, 2, GEN_TOKENS[0]))
+    for phase in one:
+        phases[phase] = one[phase] + (layers - 1) * (two[phase] - one[phase])
+    if w.gen_batch:
+        one_b, two_b = dict(_traced(key, w, 1, GEN_TOKENS[1])), dict(_traced(key, w, 2, GEN_TOKENS[1]))
+        short = phases["generation"]
+        longer = one_b["generation"] + (layers - 1) * (two_b["generation"] - one_b["generation"])
+        per_token = (longer - short) / (GEN_TOKENS[1] - GEN_TOKENS[0])
+        phases["generation"] = short + (w.completion_len - GEN_TOKENS[0]) * per_token
+    return {k: int(v) for k, v in phases.items()}
+
+
+def kv_cache_bytes(config: Any, w: Workload) -> int:
+    """The KV cache at the end of generation, for the table (the trace measures it with everything else)."""
+    if not w.gen_batch:
+        return 0
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    itemsize = TORCH_DTYPES[w.dtype].itemsize if not w.quantized else 4
+    return 2 * config.num_hidden_layers * w.gen_batch * w.seq_len * kv_heads * head_dim * itemsize
+
+
+# --- the plan ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """The planned peak of a run and where it comes from; `components` add up to `peak_bytes`."""
+
+    stage: str
+    model: str
+    gpu_memory_bytes: int
+    workload: Workload
+    components: dict[str, int]
+    phase_bytes: dict[str, int]  # everything alive at each phase's peak
+    peak_bytes: int
+    tensor_peak_bytes: int  # peak of torch tensors: what torch.cuda.max_memory_allocated would read
+    peak_phase: str
+    kv_cache_bytes: int
+    on_gpu: bool = True
+    suggestions: list[dict[str, Any]] = field(default_factory=list)
+    traced: dict[str, int] | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.gpu_memory_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "stage": self.stage,
+            "model": self.model,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "components": self.components,
+            "phase_bytes": self.phase_bytes,
+            "peak_bytes": self.peak_bytes,
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "peak_phase": self.peak_phase,
+            "fits": self.fits,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "workload": asdict(self.workload),
+        }
+        if self.suggestions:
+            out["suggestions"] = self.suggestions
+        if self.traced is not None:
+            out["traced_peak_bytes"] = max(self.traced.values())
+            out["traced_phase_bytes"] = self.traced
+        return out
+
+
+def plan(
+    config: Any,
+    w: Workload,
+    *,
+    model: str = "",
+    gpu_memory_bytes: int = 24 * GiB,
+    reward_bytes: int = 0,
+    on_gpu: bool = True,
+) -> Plan:
+    """The planned peak of one step of `w` on the architecture `config`."""
+    static = static_bytes(config, w)
+    static["reward_model"] = reward_bytes
+    dynamic = dynamic_bytes(config, w)
+    held = sum(static[k] for k in STATIC if k != "gradients")
+    phase_bytes = {phase: held + dynamic[phase] for phase in PHASES if phase in dynamic}
+    peak_phase = max(phase_bytes, key=phase_bytes.__getitem__)
+    tensor_peak = phase_bytes[peak_phase]
+    components = {k: static[k] for k in STATIC}
+    # The training trace holds the gradients of the micro-step before: the rest of it is activations.
+    step = dynamic[peak_phase] - (static["gradients"] if peak_phase == "training step" else 0)
+    components[f"{peak_phase} activations"] = step
+    if peak_phase != "training step":
+        components["gradients"] = 0  # freed (set to None) after each optimizer step
+    overhead = {"cuda_context": CUDA_CONTEXT_BYTES, "allocator_slack": int(ALLOCATOR_SLACK * dynamic[peak_phase])}
+    if on_gpu:
+        components.update(overhead)
+    return Plan(
+        stage=w.stage,
+        model=model,
+        gpu_memory_bytes=gpu_memory_bytes,
+        workload=w,
+        components=components,
+        phase_bytes=phase_bytes,
+        peak_bytes=sum(components.values()),
+        tensor_peak_bytes=tensor_peak,
+        peak_phase=peak_phase,
+        kv_cache_bytes=kv_cache_bytes(config, w),
+        on_gpu=on_gpu,
+    )
+
+
+def trace_full_depth(config: Any, w: Workload) -> dict[str, int]:
+    """`--trace`: the whole architecture on `meta`, every phase at full length; total bytes per phase."""
+    static = static_bytes(config, w)
+    held = static["weights"] + static["trainable_params"] + static["optimizer_states"]
+    model = build(config, w, "meta")
+    return {phase: held + b for phase, b in trace_step(model, w, "meta").items()}
+
+
+def format_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def table(p: Plan) -> str:
+    """The plan as a few readable lines: components, the phases, the verdict."""
+    lines = [f"Memory plan: {p.stage} on {p.model or 'the model'} ({_describe(p.workload)})"]
+    width = max(len(k) for k in p.components) + 2
+    for name, n in p.components.items():
+        if n:
+            lines.append(f"  {name:<{width}}{format_bytes(n):>12}")
+    lines.append(f"  {'peak':<{width}}{format_bytes(p.peak_bytes):>12}   in the {p.peak_phase}")
+    phases = ", ".join(f"{k} {format_bytes(v)}" for k, v in p.phase_bytes.items())
+    lines.append(f"  tensors alive at each phase's peak: {phases}")
+    if p.kv_cache_bytes:
+        lines.append(f"  of which the KV cache at the end of generation: {format_bytes(p.kv_cache_bytes)}")
+    if p.traced is not None:
+        traced = ", ".join(f"{k} {format_bytes(v)} ({v / p.phase_bytes[k]:.2f}x planned)" for k, v in p.traced.items())
+        lines.append(f"  traced at full depth on meta: {traced}")
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines.append(f"  verdict: {verdict} in {format_bytes(p.gpu_memory_bytes)}")
+    for s in p.suggestions:
+        flags = " ".join(f"--{k} {_flag(v)}" for k, v in s["overrides"].items())
+        lines.append(f"  to fit: {flags}  (peak {format_bytes(s['peak_bytes'])})")
+    return "\n".join(lines)
+
+
+def _flag(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _describe(w: Workload) -> str:
+    base = f"{w.quantization} base" if w.quantized else f"{w.dtype} base"
+    tune = f"LoRA r={w.lora_r} on {','.join(w.lora_targets)}" if w.finetuning == "lora" else "full fine-tuning"
+    ckpt = ", checkpointing" if w.gradient_checkpointing else ""
+    return f"{base}, {tune}, {w.optimizer}{ckpt}, micro-batch {w.micro_batch} x {w.seq_len} tokens"
+
+
+# --- from a stage's settings ------------------------------------------------------------------------
+
+
+def workload(
+    stage: str, settings: dict[str, Any], model_type: str, on_gpu: bool = True, world_size: int = 1
+) -> Workload:
+    """The `Workload` of a stage from its resolved settings (the flat keys of its YAML config)."""
+    dtype = settings.get("dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu else "float32"
+    targets = settings.get("lora_target_modules") or (
+        GRPO_LORA_TARGETS if stage == "grpo" else DEFAULT_LORA_TARGETS
+    ).get(model_type, ["all-linear"])
+    common = {
+        "stage": stage,
+        "quantization": settings.get("quantization", "none"),
+        "dtype": dtype,
+        "lora_r": settings.get("lora_r", 16),
+        "lora_targets": tuple(targets),
+        "gradient_checkpointing": bool(settings.get("gradient_checkpointing", False)),
+    }
+    if stage == "sft":
+        return Workload(
+            **common,
+            optimizer=settings["optim"],
+            micro_batch=settings["per_device_train_batch_size"],
+            completion_len=settings["block_size"],
+        )
+    if stage == "ppo":
+        return Workload(
+            **common,
+            optimizer=settings["optimizer"],
+            micro_batch=settings["mini_batch_size"] // settings["gradient_accumulation_steps"],
+            prompt_len=settings["query_max_tokens"],
+            completion_len=settings["response_max_tokens"],
+            gen_batch=min(settings["forward_batch_size"], settings["batch_size"]),
+            nograd_batch=min(settings["forward_batch_size"], settings["batch_size"]),
+            reference_pass=True,
+            value_head=True,
+        )
+    if stage == "grpo":
+        micro = settings["per_device_train_batch_size"]
+        steps = settings.get("steps_per_generation") or settings["gradient_accumulation_steps"]
+        return Workload(
+            **common,
+            optimizer=settings["optim"],
+            micro_batch=micro,
+            prompt_len=settings["max_prompt_length"],
+            completion_len=settings["max_completion_length"],
+            gen_batch=settings.get("generation_batch_size") or micro * world_size * steps,
+            reference_pass=settings.get("beta", 0.0) > 0,
+            temperature=settings.get("temperature", 1.0),
+        )
+    raise UsageError(f"cannot plan stage {stage!r}: choose sft, ppo or grpo")
+
+
+def plan_stage(
+    stage: str,
+    settings: dict[str, Any],
+    config: Any,
+    *,
+    gpu_memory_bytes: int = 24 * GiB,
+    finetuning: str = "lora",
+    on_gpu: bool = True,
+    world_size: int = 1,
+    demo_cache_dir: str | None = None,
+) -> Plan:
+    """The plan for a stage run with `settings` on the architecture `config`."""
+    w = replace(workload(stage, settings, config.model_type, on_gpu, world_size), finetuning=finetuning)
+    check_workload(w, config)
+    groups = settings.get("num_generations")
+    if stage == "grpo" and w.gen_batch % groups:
+        raise UsageError(
+            f"invalid value for 'num_generations': the generation batch ({w.gen_batch} completions: "
+            f"per_device_train_batch_size x processes x steps) must be a multiple of it (got {groups})"
+        )
+    reward = reward_model_bytes(settings.get("reward_model"), demo_cache_dir) if stage == "ppo" else 0
+    return plan(
+        config,
+        w,
+        model=settings.get("model_name_or_path", ""),
+        gpu_memory_bytes=gpu_memory_bytes,
+        reward_bytes=reward,
+        on_gpu=on_gpu,
+    )
+
+
+def check_workload(w: Workload, config: Any) -> None:
+    """Settings no run could have: one line each, before any tracing."""
+    if w.finetuning == "full" and w.quantized:
+        raise UsageError("full fine-tuning of a quantized base is not possible; set quantization none or plan LoRA")
+    for key in ["micro_batch", "completion_len"]:
+        if getattr(w, key) < 1:
+            raise UsageError(f"invalid value for the {key.replace('_', ' ')}: must be >= 1 (got {getattr(w, key)})")
+    if w.prompt_len < 0:
+        raise UsageError(f"invalid prompt length {w.prompt_len}: must be >= 0")
+    if w.finetuning == "lora" and list(w.lora_targets) != ["all-linear"]:
+        from torch import nn
+
+        names = {
+            name.rsplit(".", 1)[-1] for name, m in build_skeleton(config).named_modules() if isinstance(m, nn.Linear)
+        }
+        missing = [t for t in w.lora_targets if t not in names]
+        if missing:
+            raise UsageError(
+                f"LoRA target '{missing[0]}' matches no linear layer of {config.model_type}; "
+                f"its linear layers: {', '.join(sorted(names))}"
+            )
+
+
+@functools.lru_cache(maxsize=8)
+def _skeleton(config_json: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(_config_from_json(config_json))
+
+
+def build_skeleton(config: Any) -> Any:
+    """The bare architecture on `meta` with one block, for its module names."""
+    from fitrl.memtrace import truncated_config
+
+    return _skeleton(_config_json(truncated_config(config, 1)))
+
+
+# --- what to change -------------------------------------------------------------------------------
+
+OPTIMIZER_KEY = {"sft": "optim", "ppo": "optimizer", "grpo": "optim"}
+EIGHT_BIT_OPTIMIZER = {"sft": "adamw_bnb_8bit", "ppo": "adamw_8bit", "grpo": "paged_adamw_8bit"}
+
+
+def _moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """One-step changes of the settings `s` that save memory, each with its name, cheapest first."""
+    moves: list[tuple[str, dict[str, Any]]] = []
+    if not s.get("gradient_checkpointing"):
+        moves.append(("checkpointing", {"gradient_checkpointing": True}))
+    opt = OPTIMIZER_KEY[stage]
+    if "8bit" not in str(s[opt]) and s[opt] != "adafactor":
+        moves.append(("optimizer", {opt: EIGHT_BIT_OPTIMIZER[stage]}))
+    if stage == "sft" and s["per_device_train_batch_size"] > 1:
+        moves.append(("micro-batch", _halve_micro(s, "per_device_train_batch_size")))
+    if stage == "grpo" and s["per_device_train_batch_size"] > 1:
+        moves.append(("micro-batch", _halve_micro(s, "per_device_train_batch_size")))
+    if stage == "ppo":
+        micro = s["mini_batch_size"] // s["gradient_accumulation_steps"]
+        if micro > 1 and micro % 2 == 0:
+            moves.append(("micro-batch", {"gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}))
+        if s["forward_batch_size"] > 1:
+            moves.append(("no-grad batch", {"forward_batch_size": s["forward_batch_size"] // 2}))
+    quant = {"none": "8bit", "8bit": "4bit"}.get(s.get("quantization", "none"))
+    if quant:
+        moves.append(("quantization", {"quantization": quant}))
+    if stage == "grpo" and s["num_generations"] > 2:
+        moves.append(("generations", {"num_generations": s["num_generations"] // 2}))
+    if stage == "grpo" and s["max_completion_length"] > 64:
+        moves.append(("completion length", {"max_completion_length": s["max_completion_length"] * 3 // 4}))
+    if stage == "sft" and s["block_size"] > 64:
+        moves.append(("block size", {"block_size": s["block_size"] // 2}))
+    return moves
+
+
+def _halve_micro(s: dict[str, Any], key: str) -> dict[str, Any]:
+    # Half the sequences per pass, twice the passes: the same effective batch.
+    return {key: s[key] // 2, "gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}
+
+
+def suggest(
+    stage: str,
+    settings: dict[str, Any],
+    config: Any,
+    *,
+    gpu_memory_bytes: int,
+    finetuning: str = "lora",
+    world_size: int = 1,
+    demo_cache_dir: str | None = None,
+    limit: int = 3,
+    budget: int = 40,
+) -> list[dict[str, Any]]:
+    """Overrides (in the stage's own keys) that make the run fit, fewest and cheapest changes first."""
+    found: list[dict[str, Any]] = []
+    frontier: list[dict[str, Any]] = [{}]
+    tried = 0
+    for _depth in range(4):
+        next_frontier: list[dict[str, Any]] = []
+        for overrides in frontier:
+            for _name, change in _moves(stage, {**settings, **overrides}):
+                candidate = {**overrides, **change}
+                if candidate in next_frontier or any(f["overrides"].items() <= candidate.items() for f in found):
+                    continue
+                tried += 1
+                if tried > budget:
+                    return found
+                p = plan_stage(
+                    stage,
+                    {**settings, **candidate},
+                    config,
+                    gpu_memory_bytes=gpu_memory_bytes,
+                    finetuning=finetuning,
+                    world_size=world_size,
+                    demo_cache_dir=demo_cache_dir,
+                )
+                if p.fits:
+                    found.append({"overrides": candidate, "peak_bytes": p.peak_bytes})
+                    if len(found) >= limit:
+                        return found
+                else:
+                    next_frontier.append(candidate)
+        frontier = next_frontier
+    return found

@@ -1,0 +1,128 @@
+"""Will this run fit my card? The planned peak memory of an SFT, PPO or GRPO run, before any weight loads.
+
+Reads a stage's config exactly as the stage script does (its YAML file and its own flags on top),
+builds the model's architecture on the `meta` device (nothing is allocated, nothing is downloaded:
+the configs of popular models ship with fitrl) and prints the bytes of every part, the phase where
+the peak happens, and whether it fits.
+
+    python scripts/plan_memory.py --config configs/llama1b-16gb/grpo.yaml --gpu_memory_gb 16
+    python scripts/plan_memory.py --config configs/neox20b-24gb/ppo.yaml --architecture EleutherAI/gpt-neox-20b
+    # what to change to fit a 16 GB card, as flags the stage takes
+    python scripts/plan_memory.py --config configs/neox20b-24gb/sft.yaml --gpu_memory_gb 16 --suggest
+    # any model, any stage, from flags alone; full fine-tuning for comparison; JSON for scripts
+    python scripts/plan_memory.py --stage grpo --model_name_or_path Qwen/Qwen2.5-7B --finetuning full --json
+    # check the plan: the full depth traced on `meta`, per phase
+    python scripts/plan_memory.py --config configs/demo/grpo.yaml --trace
+
+Exit status: 0 when the run fits, 1 when it does not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from fitrl import planner
+from fitrl.config import UsageError, config_dict, entrypoint, parse_config
+
+SCRIPTS = Path(__file__).resolve().parent
+STAGE_SCRIPTS = {"sft": "sft_lora.py", "ppo": "ppo_sentiment.py", "grpo": "grpo_gsm8k.py"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(message)
+
+
+def planner_arguments() -> argparse.ArgumentParser:
+    parser = _Parser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument("--stage", choices=sorted(STAGE_SCRIPTS), help="The stage (default: the --config file's name).")
+    parser.add_argument("--gpu_memory_gb", type=float, help="GPU memory in GiB (default: the detected GPU, else 24).")
+    parser.add_argument(
+        "--finetuning",
+        choices=["lora", "full"],
+        default="lora",
+        help="Plan LoRA (what the stages do) or full fine-tuning.",
+    )  # noqa: E501
+    parser.add_argument(
+        "--architecture",
+        help="Plan with this model's architecture (e.g. when model_name_or_path is a stage output not written yet).",
+    )  # noqa: E501
+    parser.add_argument("--world_size", type=int, default=1, help="Processes (GPUs) the run is launched on.")
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the table.")
+    parser.add_argument("--suggest", action="store_true", help="Search the settings nearest to this one that fit.")
+    parser.add_argument(
+        "--trace", action="store_true", help="Also trace the full depth on meta and print it beside the plan."
+    )  # noqa: E501
+    return parser
+
+
+def stage_config_types(stage: str) -> list[type]:
+    """The stage script's own config dataclasses: anything the stage accepts, the planner reads the same way."""
+    path = SCRIPTS / STAGE_SCRIPTS[stage]
+    spec = importlib.util.spec_from_file_location(f"fitrl_stage_{stage}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module.CONFIG_TYPES
+
+
+def stage_of(args: argparse.Namespace, rest: list[str]) -> str:
+    if args.stage:
+        return args.stage
+    if "--config" in rest and rest.index("--config") + 1 < len(rest):
+        stem = Path(rest[rest.index("--config") + 1]).stem
+        if stem in STAGE_SCRIPTS:
+            return stem
+        raise UsageError(f"cannot tell the stage from config file {stem}.yaml; pass --stage sft, ppo or grpo")
+    raise UsageError("name a stage: --config configs/<profile>/<stage>.yaml or --stage sft|ppo|grpo")
+
+
+def gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
+    """The GPU memory to plan for, and whether a GPU is present."""
+    import torch
+
+    present = torch.cuda.is_available()
+    if requested is not None:
+        if requested <= 0:
+            raise UsageError(f"invalid value for '--gpu_memory_gb': must be > 0 (got {requested})")
+        return int(requested * planner.GiB), present
+    if present:
+        return torch.cuda.get_device_properties(0).total_memory, present
+    return 24 * planner.GiB, present
+
+
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        planner_arguments().print_help()
+        print("\nEvery other flag is the stage's own: see `python scripts/<stage script> --help`.")
+        return
+    args, rest = planner_arguments().parse_known_args(argv)
+    stage = stage_of(args, rest)
+    configs = parse_config(stage_config_types(stage), rest)
+    settings = config_dict(*configs)
+    demo_cache_dir = settings.get("demo_cache_dir")
+    config = planner.architecture(args.architecture or settings["model_name_or_path"], demo_cache_dir)
+    gpu_bytes, _present = gpu_memory_bytes(args.gpu_memory_gb)
+    if args.world_size < 1:
+        raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")
+    options = {"finetuning": args.finetuning, "world_size": args.world_size, "demo_cache_dir": demo_cache_dir}
+    result = planner.plan_stage(stage, settings, config, gpu_memory_bytes=gpu_bytes, **options)
+    if args.trace:
+        result.traced = planner.trace_full_depth(config, result.workload)
+    if args.suggest and not result.fits:
+        result.suggestions = planner.suggest(stage, settings, config, gpu_memory_bytes=gpu_bytes, **options)
+    print(json.dumps(result.to_json(), indent=2) if args.json else planner.table(result))
+    if args.suggest and not result.fits and not result.suggestions and not args.json:
+        print("  no setting within reach fits: a smaller model or a larger card")
+    raise SystemExit(0 if result.fits else 1)
+
+
+if __name__ == "__main__":
+    main()

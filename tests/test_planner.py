@@ -1,0 +1,276 @@
+"""The memory planner: exact static bytes, plans within 10% of real steps, the documented anchors, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fitrl import planner
+from fitrl.config import UsageError
+from fitrl.memory import LiveTensorBytes, tensor_bytes
+from fitrl.memtrace import Workload, build, make_optimizer, measure_step, optimizer_state_tensors, trace_step
+from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
+
+from conftest import CONFIGS, run_script
+
+GiB = planner.GiB
+
+
+def tiny_config(kind: str, layers: int = 3):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    if kind == "llama":
+        return LlamaConfig(
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=2048,
+            max_position_embeddings=512,
+        )
+    return GPTNeoXConfig(
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        vocab_size=2048,
+        max_position_embeddings=512,
+    )
+
+
+@pytest.fixture(scope="module")
+def saved_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for kind in ["llama", "neox"]:
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(kind)
+        AutoModelForCausalLM.from_config(tiny_config(kind)).save_pretrained(path)
+        out[kind] = path
+    return out
+
+
+def test_tracker_counts_fresh_storage_once_and_frees_it() -> None:
+    weight = torch.ones(1000)  # exists before: never counted
+    tracker = LiveTensorBytes()
+    with tracker:
+        view = weight.view(10, 100)  # a view of an existing tensor: 0 bytes
+        a = weight * 2  # 4000 bytes
+        a.add_(1)  # in place: 0 bytes
+        b = torch.cat([a, a])  # 8000 bytes
+        assert tracker.current == 12_000
+        del a, b
+        assert tracker.current == 0
+        with tracker.phase("p"):
+            c = torch.zeros(250, dtype=torch.float64)  # 2000 bytes
+            del c
+    assert (tracker.peak, tracker.phase_peaks["p"], view.shape) == (12_000, 2000, (10, 100))
+    assert tensor_bytes([weight, weight.view(-1), weight[:10]]) == 4000
+
+
+def _held_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Real bytes of the frozen base (with bitsandbytes' scales and quant states) and of the trainable tensors."""
+    frozen, trainable = [], []
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            (trainable if p.requires_grad else frozen).append(p)
+            for attr in ["CB", "SCB"]:
+                if isinstance(getattr(p, attr, None), torch.Tensor):
+                    frozen.append(getattr(p, attr))
+            state = getattr(p, "quant_state", None)
+            while state is not None:
+                frozen += [t for t in vars(state).values() if isinstance(t, torch.Tensor)]
+                state = getattr(state, "state2", None)
+        frozen += list(module.buffers(recurse=False))
+    return tensor_bytes(frozen), tensor_bytes(trainable)
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+@pytest.mark.parametrize(
+    "quantization,dtype,optimizer",
+    [
+        ("none", "float32", "adamw"),
+        ("none", "bfloat16", "adamw"),
+        ("8bit", "float16", "adamw_8bit"),
+        ("4bit", "bfloat16", "paged_adamw_8bit"),
+    ],
+)
+def test_static_bytes_equal_the_real_tensors(
+    saved_models: dict[str, Path], kind: str, quantization: str, dtype: str, optimizer: str
+) -> None:
+    path = saved_models[kind]
+    targets = ["q_proj", "v_proj", "down_proj"] if kind == "llama" else ["query_key_value", "dense_4h_to_h"]
+    model = load_causal_lm(ModelArguments(str(path), quantization, dtype), path=str(path))
+    model = add_lora(model, LoraArguments(lora_r=8, lora_target_modules=targets))
+    real_weights, real_trainable = _held_bytes(model)
+    opt = make_optimizer(model, optimizer)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+
+    w = Workload(
+        "sft", quantization=quantization, dtype=dtype, lora_r=8, lora_targets=tuple(targets), optimizer=optimizer
+    )
+    planned = planner.static_bytes(tiny_config(kind), w)
+    assert planned["weights"] == real_weights
+    assert planned["trainable_params"] == real_trainable
+    assert planned["gradients"] == real_trainable  # fp32 gradients of fp32 adapter weights
+    assert planned["optimizer_states"] == tensor_bytes(optimizer_state_tensors(opt))
+
+
+def test_full_finetuning_static_bytes_equal_the_real_tensors() -> None:
+    config = tiny_config("llama")
+    w = Workload("sft", dtype="bfloat16", finetuning="full", optimizer="adamw")
+    model = build(config, w, "cpu")
+    opt = make_optimizer(model, "adamw")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    planned = planner.static_bytes(config, w)
+    params = {id(p): p for p in model.parameters()}.values()
+    assert planned["weights"] == tensor_bytes([*params, *model.buffers()])
+    assert planned["gradients"] == tensor_bytes(params)
+    assert planned["optimizer_states"] == tensor_bytes(optimizer_state_tensors(opt))
+
+
+WORKLOADS = {
+    "sft-lora": Workload("sft", dtype="float32", micro_batch=4, completion_len=128),
+    "sft-full": Workload("sft", dtype="float32", finetuning="full", micro_batch=2, completion_len=128),
+    "sft-bf16-checkpointing": Workload(
+        "sft", dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=128
+    ),
+    "ppo": Workload(
+        "ppo",
+        dtype="float32",
+        micro_batch=8,
+        prompt_len=8,
+        completion_len=24,
+        gen_batch=16,
+        nograd_batch=16,
+        reference_pass=True,
+        value_head=True,
+    ),
+    "grpo": Workload(
+        "grpo",
+        dtype="float32",
+        gradient_checkpointing=True,
+        micro_batch=4,
+        prompt_len=32,
+        completion_len=64,
+        gen_batch=8,
+        reference_pass=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_plan_is_within_10_percent_of_a_measured_step(kind: str, name: str) -> None:
+    """Planned tensor bytes at each phase's peak vs the same step run on real CPU tensors."""
+    config, w = tiny_config(kind), WORKLOADS[name]
+    plan = planner.plan(config, w, on_gpu=False)
+    torch.manual_seed(0)
+    measured = measure_step(build(config, w, "cpu"), w, "cpu")
+    assert set(measured) == set(plan.phase_bytes)
+    for phase, real in measured.items():
+        assert abs(plan.phase_bytes[phase] / real - 1) < 0.10, (phase, plan.phase_bytes[phase], real)
+
+
+def test_depth_extrapolation_agrees_with_the_full_depth_trace() -> None:
+    config, w = tiny_config("llama", layers=6), WORKLOADS["ppo"]
+    plan = planner.plan(config, w, on_gpu=False)
+    traced = planner.trace_full_depth(config, w)
+    for phase, bytes_ in traced.items():
+        assert abs(plan.phase_bytes[phase] / bytes_ - 1) < 0.10, phase
+
+
+def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
+    config = planner.architecture("EleutherAI/gpt-neox-20b")
+    w = Workload("sft", quantization="8bit", dtype="float16", lora_targets=("query_key_value",), completion_len=16)
+    model = build(config, w, "meta", num_layers=2)
+    assert all(p.is_meta for p in model.parameters())
+    peaks = trace_step(model, w, "meta")
+    assert peaks["training step"] > 0
+
+
+def test_kv_cache_for_long_completions_matches_unsloths_order_of_magnitude() -> None:
+    # Unsloth's GRPO breakdown for Llama-3.1-8B at 20K context quotes a 2.5 GB KV cache (bf16, one sequence).
+    config = planner.architecture("meta-llama/Llama-3.1-8B")
+    w = Workload("grpo", dtype="bfloat16", prompt_len=0, completion_len=20_000, gen_batch=1)
+    assert planner.kv_cache_bytes(config, w) == 2 * 32 * 20_000 * 8 * 128 * 2  # 2.62 GB
+    assert 2.0e9 < planner.kv_cache_bytes(config, w) < 3.0e9
+
+
+def _cli(*args: str) -> tuple[int, dict]:
+    result = run_script("plan_memory.py", *args, "--json", timeout=900)
+    assert result.returncode in (0, 1), result.stderr
+    return result.returncode, json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_neox20b_profiles_fit_24gb_not_16gb_and_suggest_a_4bit_base() -> None:
+    neox = ["--architecture", "EleutherAI/gpt-neox-20b"]
+    for stage in ["sft", "ppo"]:
+        code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu_memory_gb", "24")
+        assert code == 0 and fits24["fits"], fits24
+        assert 19.5 * GiB < fits24["components"]["weights"] < 21.5 * GiB  # 8-bit weights, fp32 embeddings
+        for key in ["stage", "model", "gpu_memory_bytes", "peak_bytes", "peak_phase", "components"]:
+            assert key in fits24
+        assert {"weights", "trainable_params", "gradients", "optimizer_states"} <= set(fits24["components"])
+        assert sum(fits24["components"].values()) == fits24["peak_bytes"]
+    code, at16 = _cli("--config", CONFIGS / "neox20b-24gb" / "sft.yaml", *neox, "--gpu_memory_gb", "16", "--suggest")
+    assert code == 1 and not at16["fits"]
+    assert at16["suggestions"][0]["overrides"] == {"quantization": "4bit"}
+    assert at16["suggestions"][0]["peak_bytes"] <= 16 * GiB
+
+
+@pytest.mark.slow
+def test_llama1b_grpo_profile_fits_16gb_and_full_finetuning_needs_twice_as_much() -> None:
+    grpo = ["--config", CONFIGS / "llama1b-16gb" / "grpo.yaml", "--gpu_memory_gb", "16"]
+    code, lora = _cli(*grpo)
+    assert code == 0 and lora["fits"]
+    _, full = _cli(*grpo, "--finetuning", "full")
+    assert full["peak_bytes"] >= 2 * lora["peak_bytes"]
+
+
+def test_cli_traces_the_demo_and_prints_a_table(demo_cache: Path) -> None:
+    result = run_script(
+        "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--trace"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "traced at full depth on meta" in result.stdout and "verdict: fits" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--stage", "sft", "--model_name_or_path", "nobody/no-such-model"], "cannot plan for model"),
+        (["--config", "configs/demo/sft.yaml", "--lora_target_modules", "nope"], "matches no linear layer"),
+        (["--config", "configs/demo/grpo.yaml", "--max_completion_length", "-4"], "max_completion_length"),
+        (["--config", "configs/demo/grpo.yaml", "--num_generations", "3"], "num_generations"),
+        (["--config", "configs/demo/sft.yaml", "--gpu_memory_gb", "0"], "gpu_memory_gb"),
+        (["--stage", "dpo"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_cache: Path) -> None:
+    result = run_script("plan_memory.py", *args, "--demo_cache_dir", demo_cache)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_full_finetuning_of_a_quantized_base_is_refused() -> None:
+    config = tiny_config("llama")
+    with pytest.raises(UsageError, match="full fine-tuning of a quantized base"):
+        planner.plan_stage(
+            "sft",
+            {"quantization": "8bit", "optim": "adamw_torch", "per_device_train_batch_size": 1, "block_size": 64},
+            config,
+            finetuning="full",
+        )
