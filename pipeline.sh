@@ -10,6 +10,7 @@
 #   sft merge ppo eval     the RLHF recipe (IMDB sentiment)
 #   grpo eval_gsm8k        GRPO on GSM8K and its accuracy evaluation
 # STAGES picks a subset, e.g. STAGES="ppo eval" bash pipeline.sh; DRY_RUN=1 prints the commands instead.
+# Each training stage is planned first (scripts/plan_memory.py); FORCE=1 runs it even if the plan does not fit.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -46,9 +47,30 @@ run() {
   "$@" || { code=$?; status=$(cat "$FITRL_STATUS_FILE"); exit "${status:-$code}"; }
 }
 
+# Before each training stage, the memory planner's answer for this machine's GPU (24 GiB assumed on
+# a CPU-only machine, where it is shown but never stops the run). A plan that does not fit a GPU that
+# is here stops the pipeline before anything loads, with what to change; FORCE=1 goes on regardless.
+HAVE_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+plan() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "python scripts/plan_memory.py --config $1 --brief --suggest"; return; fi
+  code=0
+  output=$(python scripts/plan_memory.py --config "$1" --brief --suggest 2>&1) || code=$?
+  # No plan (e.g. a model whose config is not here yet): the stage checks its own settings and runs unplanned.
+  if [ "$code" = 2 ]; then
+    echo "note: no memory plan for $1 (${output##*error: }); the stage runs unplanned" >&2
+  else
+    echo "$output" >&2
+  fi
+  if [ "$code" = 1 ] && [ "$HAVE_GPU" = 1 ] && [ "${FORCE:-0}" != 1 ]; then
+    echo "error: the memory plan for $1 does not fit this GPU; apply a suggestion above, or FORCE=1 to run anyway" >&2
+    exit 1
+  fi
+}
+
 for stage in $STAGES; do
   config="configs/$PROFILE/$stage.yaml"
   echo "== fitrl: stage '$stage' with $config" >&2
+  case $stage in sft | ppo | grpo) plan "$config" ;; esac
   # shellcheck disable=SC2086  # LAUNCH is a command line: split it into words
   case $stage in
     # Training stages go through accelerate (one GPU, DDP, DeepSpeed, FSDP: whatever LAUNCH says).

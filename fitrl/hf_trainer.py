@@ -13,6 +13,7 @@ import torch
 
 from fitrl.config import save_run_config
 from fitrl.distributed import cpu_only
+from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
 from fitrl.outputs import METRICS_NAME, MetricsLog, write_jsonl
 
@@ -95,3 +96,19 @@ def whole_run_train_loss(rows: list[dict[str, Any]], resumed_at: int) -> float |
             before += r["loss"] * (r["step"] - last)
             last = r["step"]
     return (before + summary["train_loss"] * (summary["step"] - resumed_at)) / summary["step"]
+
+
+def step_peak_callback(step_peak: StepPeak) -> Any:
+    """Track the first step that starts with optimizer states in memory (the second of a fresh run)."""
+    from transformers import TrainerCallback
+
+    class _TrackStep(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+            if state.global_step >= 1 and step_peak.peak_bytes is None and model is not None and optimizer is not None:
+                step_peak.start([*model.parameters(), *model.buffers(), *optimizer_state_tensors(optimizer)])
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step_peak.stop()
+
+    return _TrackStep()

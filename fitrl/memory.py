@@ -134,3 +134,48 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
         storage = t.untyped_storage()
         seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The tensors an optimizer keeps per parameter (moments, 8-bit maps, steps)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class StepPeak:
+    """The tensor peak of one step on a CPU: the bytes held when it starts (weights, optimizer states,
+    from `held()`) plus the peak of what it allocates. A GPU has its own counters (`memory_report`);
+    there this does nothing, and costs nothing."""
+
+    def __init__(self) -> None:
+        self.peak_bytes: int | None = None
+        self._tracker: LiveTensorBytes | None = None
+        self._held = 0
+
+    def start(self, held: Iterable[torch.Tensor]) -> None:
+        if torch.cuda.is_available() or self._tracker is not None:
+            return
+        self._held = tensor_bytes(held)
+        self._tracker = LiveTensorBytes()
+        self._tracker.__enter__()
+
+    def stop(self) -> None:
+        if self._tracker is None:
+            return
+        self._tracker.__exit__(None, None, None)
+        self.peak_bytes = self._held + self._tracker.peak
+        self._tracker = None
+
+
+def memory_report(planned_peak_mb: float | None, step_peak: StepPeak | None = None) -> dict[str, Any]:
+    """The `memory` object of `run_info.json`: the planner's answer beside what the run measured."""
+    out: dict[str, Any] = {"planned_peak_mb": planned_peak_mb}
+    if torch.cuda.is_available():
+        out["device"] = torch.cuda.get_device_name()
+        out["measured_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        out["measured_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
+        return out
+    out["device"] = "cpu"
+    tracked = None if step_peak is None or step_peak.peak_bytes is None else step_peak.peak_bytes / 2**20
+    out["measured_peak_mb"] = None if tracked is None else round(tracked, 1)  # tensors, comparable to the plan
+    out["peak_rss_mb"] = round(peak_memory_mb(), 1)  # the whole process: Python, libraries, allocator
+    return out

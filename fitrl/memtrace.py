@@ -16,8 +16,9 @@ What stands in for what cannot run on `meta`:
 
 Shapes follow the stages: SFT trains on (micro_batch, block) blocks; PPO generates `gen_batch`
 responses to `prompt_len`-token queries, scores them in `nograd_batch` rows with and without the
-adapter, and trains on micro-batches; GRPO generates `gen_batch` completions and trains through
-trl's fused LM head, which never materialises the logits.
+adapter, and trains on micro-batches; GRPO generates `gen_batch` completions. SFT and GRPO train
+through trl's fused LM head, as their trainers do: the logits are never materialised whole, but its
+tile buffer is (up to 4096 tokens x a fixed vocabulary chunk, however small the vocabulary).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitrl import ppo
-from fitrl.memory import LiveTensorBytes
+from fitrl.memory import LiveTensorBytes, optimizer_state_tensors
 from fitrl.modeling import PolicyAndValue
 from fitrl.rollout import position_ids
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What trl 1.16's SFTTrainer and GRPOTrainer ask of their fused LM head (the logits are never built whole).
+FUSED_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
 
 
 @dataclass(frozen=True)
@@ -111,28 +114,37 @@ def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype) -> None:
         p.requires_grad_(False)
 
 
-def build(config: Any, w: Workload, device: str | torch.device, num_layers: int | None = None) -> nn.Module:
-    """The stage's trainable model from `config` (random weights) on `device`: LoRA or full, value head for PPO."""
+def build(
+    config: Any, w: Workload, device: str | torch.device, num_layers: int | None = None, base: Any = None
+) -> nn.Module:
+    """The stage's trainable model from `config` (random weights) on `device`: LoRA or full, value head for PPO.
+
+    `base`: a model loaded for real (`fitrl.modeling.load_causal_lm`, bitsandbytes layers and all) to
+    wrap instead of building one from `config`.
+    """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     if num_layers is not None:
         config = truncated_config(config, num_layers)
     dtype = TORCH_DTYPES[w.dtype]
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
-    model.config.pad_token_id = model.config.pad_token_id or 0
-    if w.quantized:
-        _stand_in_kbit(model, dtype)
-    if w.gradient_checkpointing:
+    if base is not None:
+        model = base
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
+        model.config.pad_token_id = model.config.pad_token_id or 0
+        if w.quantized:
+            _stand_in_kbit(model, dtype)
+    if w.gradient_checkpointing and base is None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if not w.quantized and w.finetuning == "lora":
             model.enable_input_require_grads()
         model.config.use_cache = False
-    if w.stage == "grpo":
+    if w.stage in FUSED_HEAD_OUTPUTS:  # trl's trainers patch the model with their tiled LM head
         from trl.trainer.utils import add_fused_lm_head
 
-        add_fused_lm_head(model, temperature=w.temperature, outputs=("log_probs", "entropy"))
+        add_fused_lm_head(model, temperature=w.temperature, outputs=FUSED_HEAD_OUTPUTS[w.stage])
     if w.finetuning == "lora":
         targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
         model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
@@ -265,8 +277,9 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
     model.train()
     ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
     mask = torch.ones_like(ids)
-    if w.stage == "sft":
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    if w.stage == "sft":  # trl's SFTTrainer: the mean negative log-prob from the fused head
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
+        loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
     elif w.stage == "ppo":
         q, zeros = w.prompt_len, torch.zeros(w.micro_batch, w.completion_len, device=device)
         logits, values = model(ids, mask)
@@ -325,10 +338,6 @@ def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
     from transformers.optimization import Adafactor
 
     return Adafactor(params, lr=1e-5, relative_step=False, scale_parameter=False)
-
-
-def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
 def measure_step(model: nn.Module, w: Workload, device: str | torch.device = "cpu") -> dict[str, int]:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fitrl.config import UsageError
+from fitrl.config import UsageError, first_line
 from fitrl.memtrace import TORCH_DTYPES, Workload, build, trace_step
 from fitrl.modeling import DEFAULT_LORA_TARGETS, GRPO_LORA_TARGETS
 
@@ -368,6 +368,14 @@ def table(p: Plan) -> str:
     return "\n".join(lines)
 
 
+def brief(p: Plan) -> str:
+    verdict = "fits" if p.fits else "does NOT fit"
+    return (
+        f"memory plan: peak {format_bytes(p.peak_bytes)} in the {p.peak_phase} "
+        f"(weights {format_bytes(p.components['weights'])}); {verdict} in {format_bytes(p.gpu_memory_bytes)}"
+    )
+
+
 def _flag(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
@@ -593,3 +601,16 @@ def suggest(
                     next_frontier.append(candidate)
         frontier = next_frontier
     return found
+
+
+def planned_peak_mb(stage: str, settings: dict[str, Any], model_path: str, world_size: int = 1) -> float | None:
+    """A stage's own plan, in MiB of tensors (what the run measures beside it); None where it cannot plan."""
+    import torch
+
+    try:
+        config = architecture(model_path)
+        p = plan_stage(stage, settings, config, on_gpu=torch.cuda.is_available(), world_size=world_size)
+    except Exception as e:  # the plan is a report: it must never stop a run that got this far
+        print(f"note: no memory plan for this run ({first_line(e)})")
+        return None
+    return round(p.tensor_peak_bytes / MiB, 1)

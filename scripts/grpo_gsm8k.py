@@ -46,8 +46,14 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.hf_trainer import checkpoint_extras, quiet_progress, trainer_arguments, whole_run_train_loss
-from fitrl.memory import peak_memory_mb
+from fitrl.hf_trainer import (
+    checkpoint_extras,
+    quiet_progress,
+    step_peak_callback,
+    trainer_arguments,
+    whole_run_train_loss,
+)
+from fitrl.memory import StepPeak, memory_report, peak_memory_mb
 from fitrl.modeling import (
     GRPO_LORA_TARGETS,
     LoraArguments,
@@ -66,6 +72,7 @@ from fitrl.outputs import (
     read_jsonl,
     staged_output_dir,
 )
+from fitrl.planner import planned_peak_mb
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
 
@@ -195,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
 
     training_args = grpo_config(args, model_args)
     is_main = training_args.process_index == 0
+    planned_mb, step_peak = (
+        planned_peak_mb("grpo", config_dict(*configs), model_path, training_args.world_size),
+        StepPeak(),
+    )
     if is_main:
         print(
             f"GRPO: {len(dataset)} problems from {data_args.dataset} ({len(skipped)} skipped: gold not a number, "
@@ -221,14 +232,10 @@ def main(argv: list[str] | None = None) -> None:
             callbacks=[
                 metrics_callback(metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
                 checkpoint_extras(configs, metrics),
+                step_peak_callback(step_peak),
             ],
         )
-        if model_args.dtype == "float32":
-            # trl stores a quantized model's adapter in bf16 (the QLoRA-on-GPU convention); with a float32
-            # compute dtype (the CPU demo) small updates would round away, so keep the adapter in float32.
-            for p in trainer.model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()
+        keep_adapter_in_float32(trainer, model_args)
         trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
         quiet_progress(trainer)
         trainer.train(resume_from_checkpoint=resume)
@@ -260,11 +267,21 @@ def main(argv: list[str] | None = None) -> None:
                 "plain_chat_template": plain_template,
                 "lora_target_modules": targets,
                 "trainable_parameters": trainable,
+                "memory": memory_report(planned_mb, step_peak),
                 "world_size": training_args.world_size,
                 "resumed_from": resume,
                 "rank_adapter_digests": digests,
             }
             report(out, info, metrics.rows, samples_after, model_args, args)
+
+
+def keep_adapter_in_float32(trainer: Any, model_args: ModelArguments) -> None:
+    """trl stores a quantized model's adapter in bf16 (the QLoRA-on-GPU convention); with a float32
+    compute dtype (the CPU demo) small updates would round away, so keep the adapter in float32."""
+    if model_args.dtype == "float32":
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
 
 
 def load_base_and_lora(model_args: Any, lora_args: Any, args: Any, model_path: str, tokenizer: Any) -> tuple:

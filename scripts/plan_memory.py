@@ -54,6 +54,7 @@ def planner_arguments() -> argparse.ArgumentParser:
     )  # noqa: E501
     parser.add_argument("--world_size", type=int, default=1, help="Processes (GPUs) the run is launched on.")
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the table.")
+    parser.add_argument("--brief", action="store_true", help="Print one line: the peak, its phase and the verdict.")
     parser.add_argument("--suggest", action="store_true", help="Search the settings nearest to this one that fit.")
     parser.add_argument(
         "--trace", action="store_true", help="Also trace the full depth on meta and print it beside the plan."
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = config_dict(*configs)
     demo_cache_dir = settings.get("demo_cache_dir")
     config = planner.architecture(args.architecture or settings["model_name_or_path"], demo_cache_dir)
-    gpu_bytes, _present = gpu_memory_bytes(args.gpu_memory_gb)
+    gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb)
     if args.world_size < 1:
         raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")
     options = {"finetuning": args.finetuning, "world_size": args.world_size, "demo_cache_dir": demo_cache_dir}
@@ -118,7 +119,12 @@ def main(argv: list[str] | None = None) -> None:
         result.traced = planner.trace_full_depth(config, result.workload)
     if args.suggest and not result.fits:
         result.suggestions = planner.suggest(stage, settings, config, gpu_memory_bytes=gpu_bytes, **options)
-    print(json.dumps(result.to_json(), indent=2) if args.json else planner.table(result))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    elif args.brief and result.fits:
+        print(planner.brief(result) + ("" if present or args.gpu_memory_gb else " (no GPU here: 24 GiB assumed)"))
+    else:
+        print(planner.table(result))
     if args.suggest and not result.fits and not result.suggestions and not args.json:
         print("  no setting within reach fits: a smaller model or a larger card")
     raise SystemExit(0 if result.fits else 1)

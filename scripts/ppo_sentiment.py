@@ -52,7 +52,7 @@ from fitrl.config import (
 )
 from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync, cpu_only, tensor_digest
-from fitrl.memory import gpu_peak_mb
+from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
 from fitrl.modeling import (
     LoraArguments,
     ModelArguments,
@@ -63,6 +63,7 @@ from fitrl.modeling import (
     resolve_model_path,
 )
 from fitrl.outputs import MetricsLog, check_output_dir, markdown_cell, plot_curves, staged_output_dir
+from fitrl.planner import planned_peak_mb
 from fitrl.rollout import Rollout, decode, forward, response_slice, sample_responses
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
@@ -220,6 +221,8 @@ class Run:
     start_step: int = 0
     samples: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     first_prompts: list[int] | None = None
+    planned_peak_mb: float | None = None
+    step_peak: StepPeak = dataclasses.field(default_factory=StepPeak)
     warned_negative_kl: bool = False
 
     @property
@@ -285,7 +288,9 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=None if args.report_to == "none" else args.report_to,
     )
-    return Run(*configs, accelerator, model_path, tokenizer, queries, resume)
+    run = Run(*configs, accelerator, model_path, tokenizer, queries, resume)
+    run.planned_peak_mb = planned_peak_mb("ppo", config_dict(*configs), model_path, accelerator.num_processes)
+    return run
 
 
 def build(run: Run) -> None:
@@ -574,6 +579,9 @@ def keep_samples(run: Run, step: int, q_texts: list[str], r_texts: list[str], ra
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One PPO step, phase by phase, timed."""
     torch.manual_seed(step_seed(run.args.seed, step, run.accelerator.process_index))
+    if step == run.start_step + 1:  # the second step of this process: the optimizer states exist by then
+        held = [*run.unwrapped.parameters(), *run.unwrapped.buffers(), *optimizer_state_tensors(run.optimizer)]
+        run.step_peak.start(held)
     timings, t0 = {}, time.perf_counter()
     rollouts = rollout(run, step)
     timings["time/generate"], t0 = time.perf_counter() - t0, time.perf_counter()
@@ -583,6 +591,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     timings["time/forward"], t0 = time.perf_counter() - t0, time.perf_counter()
     stats = ppo_update(run, exp, step)
     timings["time/optimise"] = time.perf_counter() - t0
+    run.step_peak.stop()
     row = log_step(run, step, exp, non_score, raw_scores, stats, timings)
     keep_samples(run, step, q_texts, r_texts, raw_scores)
     if run.args.save_steps and (step + 1) % run.args.save_steps == 0:
@@ -622,6 +631,7 @@ def finish(run: Run) -> None:
         "rank_first_prompts": rank_prompts,
         "frozen_base_digest": run.frozen_digest,
         "frozen_base_verified": run.frozen_digest is not None,
+        "memory": memory_report(run.planned_peak_mb, run.step_peak),
     }
     save_run_info(out, info)
     curves = ["env/reward_mean", "objective/kl", "objective/kl_coef", "ppo/value_loss"]

@@ -20,13 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fitrl.config import check, entrypoint, help_field, parse_config, save_run_config, save_run_info
+from fitrl.config import check, config_dict, entrypoint, help_field, parse_config, save_run_config, save_run_info
 from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
 from fitrl.distributed import check_ranks_in_sync
-from fitrl.hf_trainer import quiet_progress, trainer_arguments
+from fitrl.hf_trainer import quiet_progress, step_peak_callback, trainer_arguments
+from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, plot_curves, staged_output_dir
+from fitrl.planner import planned_peak_mb
 
 
 @dataclass
@@ -81,7 +83,8 @@ CONFIG_TYPES = [ModelArguments, LoraArguments, SFTArguments, DemoArguments]
 
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, lora_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
+    configs = parse_config(CONFIG_TYPES, argv)
+    model_args, lora_args, args, demo_args = configs
 
     # Check every input before loading anything heavy: a typo should cost a second, not a model load.
     check_output_dir(args.output_dir, args.overwrite_output_dir, [model_args.model_name_or_path, args.dataset])
@@ -119,12 +122,14 @@ def main(argv: list[str] | None = None) -> None:
             **trainer_arguments(args, model_args, output_dir=str(out)),
         )
         metrics = MetricsLog(out, enabled=training_args.process_index == 0)
+        planned_mb = planned_peak_mb("sft", config_dict(*configs), model_path, training_args.world_size)
+        step_peak = StepPeak()
         trainer = SFTTrainer(
             model=model,
             args=training_args,
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[metrics_callback(metrics)],
+            callbacks=[metrics_callback(metrics), step_peak_callback(step_peak)],
         )
         quiet_progress(trainer)
         trainer.train()
@@ -146,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                     "total_parameters": total,
                     "world_size": training_args.world_size,
                     "rank_adapter_digests": digests,
+                    "memory": memory_report(planned_mb, step_peak),
                 },
             )
             plot_curves(

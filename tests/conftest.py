@@ -71,3 +71,16 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, f"expected one 'error:' line, got stderr:\n{result.stderr[-3000:]}"
     return lines[0]
+
+
+def assert_memory_planned_and_measured(info: dict) -> None:
+    """`run_info.json` holds the planner's peak for the run beside the tensor peak it measured on one step.
+
+    The plan takes the longest queries and responses the settings allow, a real step is usually shorter:
+    measured may be below the plan, and never more than 10% above it.
+    """
+    memory = info["memory"]
+    assert memory["device"] == "cpu" and memory["peak_rss_mb"] > 0
+    planned, measured = memory["planned_peak_mb"], memory["measured_peak_mb"]
+    assert planned > 0 and measured > 0, memory
+    assert 0.7 < measured / planned < 1.10, memory

@@ -15,7 +15,7 @@ from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.outputs import read_jsonl
 from fitrl.rewards import is_correct, is_strict_format
 
-from conftest import CONFIGS, accelerate_launch, error_line, run_script
+from conftest import CONFIGS, accelerate_launch, assert_memory_planned_and_measured, error_line, run_script
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -169,6 +169,7 @@ def test_grpo_smoke_run_in_8bit_with_lora(grpo_smoke: Path) -> None:
     assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
     info = json.loads((grpo_smoke / "run_info.json").read_text())
     assert info["problems"] == 64 and info["peak_memory_mb"] > 0
+    assert_memory_planned_and_measured(info)
     assert "before:" in (grpo_smoke / "samples.md").read_text()
     # checkpoints live beside the output, so a stopped run keeps them
     assert (grpo_smoke.with_name("run.checkpoints") / "checkpoint-2" / "trainer_state.json").is_file()

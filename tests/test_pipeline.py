@@ -33,31 +33,46 @@ def _scripts(stdout: str) -> list[str]:
         (
             "demo",
             [
+                "plan_memory.py",
                 "sft_lora.py",
                 "merge_adapter.py",
+                "plan_memory.py",
                 "ppo_sentiment.py",
                 "evaluate_sentiment.py",
+                "plan_memory.py",
                 "grpo_gsm8k.py",
                 "evaluate_gsm8k.py",
             ],
         ),
-        ("neox20b-24gb", ["sft_lora.py", "merge_adapter.py", "ppo_sentiment.py", "evaluate_sentiment.py"]),
-        ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
+        (
+            "neox20b-24gb",
+            [
+                "plan_memory.py",
+                "sft_lora.py",
+                "merge_adapter.py",
+                "plan_memory.py",
+                "ppo_sentiment.py",
+                "evaluate_sentiment.py",
+            ],
+        ),
+        ("llama1b-16gb", ["plan_memory.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]),
     ],
 )
 def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:
+    """Every training stage is planned (scripts/plan_memory.py) before it runs."""
     result = _pipeline(PROFILE=profile)
     assert result.returncode == 0, result.stderr
     assert _scripts(result.stdout) == scripts
     for line in result.stdout.splitlines()[:-1]:
         assert f"--config configs/{profile}/" in line
-        assert (CONFIGS.parent / line.split("--config ")[1]).is_file()
+        assert (CONFIGS.parent / line.split("--config ")[1].split()[0]).is_file()
 
 
 def test_stages_picks_a_subset_and_launch_is_used_for_training() -> None:
     result = _pipeline(STAGES="grpo eval_gsm8k", LAUNCH="accelerate launch --multi_gpu --num_processes 2")
     assert result.returncode == 0, result.stderr
-    grpo, evaluation = result.stdout.splitlines()[:2]
+    plan, grpo, evaluation = result.stdout.splitlines()[:3]
+    assert plan.startswith("python scripts/plan_memory.py --config configs/demo/grpo.yaml")
     assert grpo.startswith("accelerate launch --multi_gpu --num_processes 2 scripts/grpo_gsm8k.py")
     assert evaluation.startswith("python scripts/evaluate_gsm8k.py")
 

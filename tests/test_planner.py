@@ -10,8 +10,8 @@ import torch
 
 from fitrl import planner
 from fitrl.config import UsageError
-from fitrl.memory import LiveTensorBytes, tensor_bytes
-from fitrl.memtrace import Workload, build, make_optimizer, measure_step, optimizer_state_tensors, trace_step
+from fitrl.memory import LiveTensorBytes, optimizer_state_tensors, tensor_bytes
+from fitrl.memtrace import Workload, build, make_optimizer, measure_step, trace_step
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
 
 from conftest import CONFIGS, run_script
@@ -274,3 +274,45 @@ def test_full_finetuning_of_a_quantized_base_is_refused() -> None:
             config,
             finetuning="full",
         )
+
+
+def test_gpu_memory_bench_runs_on_cpu_with_tiny_models(tmp_path: Path) -> None:
+    """The GPU check is ready before a GPU is: the same script, tiny models, measured vs planned per row."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(CONFIGS.parent / "bench" / "gpu_memory.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["stage"] for r in rows} == {"sft", "ppo", "grpo"}
+    for row in rows:
+        assert "error" not in row, row
+        assert abs(row["tracked_vs_planned"] - 1) < 0.10, row
+
+
+def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memory_table", CONFIGS.parent / "bench" / "memory_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.table("sft", ["Qwen/Qwen2.5-0.5B"])
+    row = next(line for line in text.splitlines() if line.startswith("| Qwen2.5-0.5B"))
+    cells = [c.strip() for c in row.strip("|").split("|")][1:]
+    assert len(cells) == 4 and all(c.endswith("✓✓✓✓") for c in cells), row  # 0.5B fits 16 GB in every mode
+    full, lora = (float(c.split()[0]) for c in cells[:2])
+    assert full > 1.5 * lora  # full fine-tuning holds gradients and Adam states for every weight

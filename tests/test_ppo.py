@@ -13,7 +13,7 @@ from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, accelerate_launch, error_line, run_script
+from conftest import CONFIGS, accelerate_launch, assert_memory_planned_and_measured, error_line, run_script
 
 PPO_YAML = CONFIGS / "demo" / "ppo.yaml"
 # The demo base stands in for the merged model, so these tests do not depend on stages 1 and 2.
@@ -68,6 +68,7 @@ def test_ppo_writes_outputs_and_leaves_the_base_untouched(ppo_run: Path, demo_ro
         assert (ppo_run / name).is_file(), name
     info = load_run_info(ppo_run)
     assert info["frozen_base_verified"] and info["frozen_base_digest"]  # hashed before and after: unchanged
+    assert_memory_planned_and_measured(info)
     # Only the LoRA weights and the value head were trained: B (zero at init) moved, the head differs from init.
     lora_b = [t for k, t in load_file(ppo_run / "adapter_model.safetensors").items() if "lora_B" in k]
     assert lora_b and all(t.abs().max() > 0 for t in lora_b)

@@ -13,7 +13,7 @@ from fitrl.config import load_run_config, load_run_info
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, accelerate_launch, error_line, run_script
+from conftest import CONFIGS, accelerate_launch, assert_memory_planned_and_measured, error_line, run_script
 
 SFT_YAML = CONFIGS / "demo" / "sft.yaml"
 
@@ -62,6 +62,7 @@ def test_demo_sft_writes_every_output(sft_run: Path, demo_cache: Path) -> None:
         assert (sft_run / name).is_file(), name
     assert load_run_config(sft_run)["model_name_or_path"] == "demo://lm"
     assert load_run_info(sft_run)["world_size"] == 1
+    assert_memory_planned_and_measured(load_run_info(sft_run))
     assert not (sft_run.parent / f".{sft_run.name}.partial").exists()
 
 

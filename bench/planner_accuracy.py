@@ -1,0 +1,129 @@
+"""How good is the memory plan? Planned, traced (full depth on `meta`) and measured peaks, side by side.
+
+    python bench/planner_accuracy.py                 # the demo profiles and small models, on this CPU
+    python bench/planner_accuracy.py --device cuda   # the same on a GPU (measured: live tensor bytes)
+
+Measured is the same stage step (`fitrl.memtrace`) on real tensors, with real optimizers: for the demo
+profiles the base loads exactly as the stage loads it (`fitrl.modeling.load_causal_lm`, bitsandbytes
+8-bit on a CPU included), so the stand-ins of the trace are checked too. Peaks are the tensors alive
+at each phase's peak (no CUDA context or allocator slack), in MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from fitrl import planner
+from fitrl.config import config_dict, parse_config
+from fitrl.memtrace import Workload, build, measure_step
+from fitrl.modeling import ModelArguments, load_causal_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from plan_memory import stage_config_types  # noqa: E402
+
+
+def small(kind: str, layers: int = 4):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    if kind == "llama":
+        return LlamaConfig(
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=layers,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=8192,
+            max_position_embeddings=2048,
+        )
+    return GPTNeoXConfig(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        vocab_size=8192,
+        max_position_embeddings=2048,
+    )
+
+
+SMALL = {
+    "sft lora fp32": Workload("sft", dtype="float32", micro_batch=4, completion_len=256),
+    "sft full fp32": Workload("sft", dtype="float32", finetuning="full", micro_batch=2, completion_len=256),
+    "sft lora bf16 ckpt": Workload(
+        "sft", dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=256
+    ),
+    "ppo lora fp32": Workload(
+        "ppo",
+        dtype="float32",
+        micro_batch=16,
+        prompt_len=8,
+        completion_len=16,
+        gen_batch=32,
+        nograd_batch=32,
+        reference_pass=True,
+        value_head=True,
+    ),
+    "grpo lora fp32 ckpt": Workload(
+        "grpo",
+        dtype="float32",
+        gradient_checkpointing=True,
+        micro_batch=4,
+        prompt_len=64,
+        completion_len=128,
+        gen_batch=16,
+        reference_pass=True,
+    ),
+}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:9.1f}"
+
+
+def compare(name: str, config, w: Workload, device: str, base=None) -> None:
+    plan = planner.plan(config, w, on_gpu=False)
+    traced = planner.trace_full_depth(config, w)
+    torch.manual_seed(0)
+    measured = measure_step(build(config, w, device, base=base), w, device)
+    for phase, real in measured.items():
+        p, t = plan.phase_bytes[phase], traced[phase]
+        print(f"{name:<28} {phase:<14} {mib(p)} {mib(t)} {mib(real)}   {p / real:6.3f} {t / real:6.3f}", flush=True)
+
+
+def profile(stage: str, device: str) -> None:
+    """A demo profile as the stage runs it: its own config, its base loaded by the stage's loader."""
+    configs = parse_config(stage_config_types(stage), ["--config", str(ROOT / "configs" / "demo" / f"{stage}.yaml")])
+    settings = config_dict(*configs)
+    path = settings["model_name_or_path"]
+    if stage == "ppo":  # the merged model is a pipeline output; the demo LM has the same architecture
+        path = "demo://lm"
+    config = planner.architecture(path, settings.get("demo_cache_dir"))
+    w = planner.workload(stage, settings, config.model_type, on_gpu=False)
+    model_args = ModelArguments(
+        **{k: settings[k] for k in ["quantization", "dtype", "trust_remote_code"]}, model_name_or_path=path
+    )
+    from fitrl.modeling import resolve_model_path
+
+    resolved = resolve_model_path(path, settings.get("demo_cache_dir"))
+    base = load_causal_lm(model_args, path=resolved, gradient_checkpointing=w.gradient_checkpointing)
+    compare(f"demo {stage} ({w.quantization})", config, w, device, base=base)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    print(f"{'run':<28} {'phase':<14} {'planned':>9} {'traced':>9} {'measured':>9}   p/m    t/m   (MiB)")
+    for stage in ["sft", "ppo", "grpo"]:
+        profile(stage, args.device)
+    for kind in ["llama", "neox"]:
+        for name, w in SMALL.items():
+            compare(f"{kind} {name}", small(kind), w, args.device)
+
+
+if __name__ == "__main__":
+    main()
