@@ -162,7 +162,11 @@ def markdown_cell(text: str) -> str:
 def plot_curves(
     rows: Sequence[dict[str, Any]], keys: Sequence[str], path: str | Path, title: str, x_key: str = "step"
 ) -> Path | None:
-    """Plot each of `keys` against `x_key` in its own panel; keys absent from every row are skipped."""
+    """Plot each of `keys` against `x_key` in its own panel; keys absent from every row are skipped.
+
+    With more than a dozen points the raw values are drawn faintly under their rolling mean (`smooth`),
+    so that a noisy per-step curve (GRPO's rewards) still shows its trend.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,7 +179,12 @@ def plot_curves(
     for ax, key in zip(axes[:, 0], keys):
         pts = [(r[x_key], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and x_key in r]
         xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.2)
+        if len(xs) > 12:
+            ax.plot(xs, ys, linewidth=0.8, alpha=0.3, color="C0", label="raw")
+            ax.plot(xs, smooth(ys), linewidth=1.6, color="C0", label=f"rolling mean ({smoothing_window(len(ys))})")
+            ax.legend(loc="best", fontsize=7, frameon=False)
+        else:
+            ax.plot(xs, ys, marker=".", linewidth=1.2)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel(x_key)
@@ -184,6 +193,23 @@ def plot_curves(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
+
+
+def smoothing_window(n: int) -> int:
+    """Points per rolling mean: a tenth of the curve, at least 3, odd so it centres on its point."""
+    window = max(3, n // 10)
+    return window + (window % 2 == 0)
+
+
+def smooth(values: Sequence[float], window: int | None = None) -> list[float]:
+    """Centred rolling mean; the ends average over the points they have (no shift, no padding)."""
+    window = window or smoothing_window(len(values))
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - half) : i + half + 1]
+        out.append(sum(part) / len(part))
+    return out
 
 
 def metrics_callback(log: MetricsLog, extra: Callable[[], dict[str, Any]] | None = None) -> Any:

@@ -10,7 +10,7 @@ loaded from its local path, so offline works) with the rewards' own number parsi
     python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml
     # the base model alone: no adapter
     python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml \
-        --adapter null --output_dir outputs/llama1b/eval_gsm8k-base
+        --adapter null --output_dir outputs/llama1b-16gb/eval_gsm8k-base
 
 Writes to `output_dir`: `completions.jsonl` (question, gold, completion, parsed answer, correct, format
 per completion), `summary.json` (accuracy, pass@k, format compliance, counts) and `run_config.yaml`.

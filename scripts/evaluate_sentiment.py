@@ -75,9 +75,14 @@ def ppo_settings(argv: list[str] | None) -> dict:
     return {k: v for k, v in trained.items() if k in inherited}
 
 
+def resolve_config(argv: list[str] | None) -> tuple:
+    """The evaluation's settings: its config and flags over what the PPO run was trained with."""
+    return parse_config(CONFIG_TYPES, argv, ppo_settings(argv))
+
+
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, prompt_args, reward_args, args, demo_args = parse_config(CONFIG_TYPES, argv, ppo_settings(argv))
+    model_args, prompt_args, reward_args, args, demo_args = resolve_config(argv)
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
     adapter_dir = Path(args.adapter_dir).expanduser()

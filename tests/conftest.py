@@ -56,8 +56,12 @@ def run_script(*args: str | Path, timeout: int = 600, launcher: list[str] | None
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
 
 
-def accelerate_launch(num_processes: int) -> list[str]:
+def accelerate_launch(num_processes: int, config_file: str | None = None) -> list[str]:
+    """`accelerate launch` with flags, or with one of configs/accelerate/ (`config_file`, e.g. 'ddp_cpu_2proc')."""
     exe = Path(sys.executable).with_name("accelerate")
+    if config_file is not None:
+        path = CONFIGS / "accelerate" / f"{config_file}.yaml"
+        return [str(exe), "launch", "--config_file", str(path), "--main_process_port", "29518"]
     cmd = [str(exe), "launch", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     if num_processes > 1:
         cmd += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", "29517"]

@@ -82,3 +82,11 @@ def test_overwrite_replaces_what_fitrl_wrote_and_nothing_else(tmp_path: Path) ->
     with pytest.raises(UsageError, match="holds precious.txt, which fitrl did not write"):
         check_output_dir(out, overwrite=True)
     assert keep.is_file()
+
+
+def test_smooth_is_a_centred_rolling_mean() -> None:
+    from fitrl.outputs import smooth, smoothing_window
+
+    assert smooth([0, 3, 6, 9, 12], window=3) == [1.5, 3.0, 6.0, 9.0, 10.5]
+    assert smooth([5.0]) == [5.0]
+    assert smoothing_window(10) == 3 and smoothing_window(120) == 13 and smoothing_window(40) == 5

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from fitrl.config import load_run_info
 
 from conftest import CONFIGS, ROOT
 
@@ -33,33 +38,22 @@ def _scripts(stdout: str) -> list[str]:
         (
             "demo",
             [
-                "plan_memory.py",
                 "sft_lora.py",
                 "merge_adapter.py",
-                "plan_memory.py",
                 "ppo_sentiment.py",
                 "evaluate_sentiment.py",
-                "plan_memory.py",
                 "grpo_gsm8k.py",
                 "evaluate_gsm8k.py",
             ],
         ),
         (
             "neox20b-24gb",
-            [
-                "plan_memory.py",
-                "sft_lora.py",
-                "merge_adapter.py",
-                "plan_memory.py",
-                "ppo_sentiment.py",
-                "evaluate_sentiment.py",
-            ],
+            ["sft_lora.py", "merge_adapter.py", "ppo_sentiment.py", "evaluate_sentiment.py"],
         ),
-        ("llama1b-16gb", ["plan_memory.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]),
+        ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
     ],
 )
 def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:
-    """Every training stage is planned (scripts/plan_memory.py) before it runs."""
     result = _pipeline(PROFILE=profile)
     assert result.returncode == 0, result.stderr
     assert _scripts(result.stdout) == scripts
@@ -71,8 +65,7 @@ def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: lis
 def test_stages_picks_a_subset_and_launch_is_used_for_training() -> None:
     result = _pipeline(STAGES="grpo eval_gsm8k", LAUNCH="accelerate launch --multi_gpu --num_processes 2")
     assert result.returncode == 0, result.stderr
-    plan, grpo, evaluation = result.stdout.splitlines()[:3]
-    assert plan.startswith("python scripts/plan_memory.py --config configs/demo/grpo.yaml")
+    grpo, evaluation = result.stdout.splitlines()[:2]
     assert grpo.startswith("accelerate launch --multi_gpu --num_processes 2 scripts/grpo_gsm8k.py")
     assert evaluation.startswith("python scripts/evaluate_gsm8k.py")
 
@@ -114,3 +107,185 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path) 
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "does not exist" in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def _bash_pipeline(cwd: Path, *args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    return subprocess.run(
+        ["bash", str(cwd / "pipeline.sh"), *args],
+        cwd=cwd,
+        env={**os.environ, "PATH": path, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_help_lists_stages_profiles_options_and_examples() -> None:
+    result = subprocess.run(["bash", "pipeline.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    expected = ["sft merge ppo eval grpo eval_gsm8k", "demo", "neox20b-24gb", "ddp_cpu_2proc"]
+    expected += ["--from", "--run_dir", "--launcher", "--force", "--dry_run", "bash pipeline.sh --profile llama1b-16gb"]
+    for text in expected:
+        assert text in result.stdout, text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--profile", "nope"], "error: no profile configs/nope"),
+        (["--from", "bogus"], "error: unknown stage 'bogus' for --from"),
+        (["--launcher", "nosuch"], "error: unknown launcher 'nosuch'"),
+        (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_options_exit_2_with_one_line(args: list[str], message: str) -> None:
+    result = subprocess.run(["bash", "pipeline.sh", *args], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]]
+    assert result.stderr.strip().startswith(message), result.stderr
+
+
+def test_from_runs_a_stage_and_every_one_after_it() -> None:
+    result = _pipeline(PROFILE="demo", STAGES="")
+    everything = _scripts(result.stdout)
+    result = subprocess.run(
+        ["bash", "pipeline.sh", "--from", "eval", "--dry_run"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert _scripts(result.stdout) == everything[3:] == ["evaluate_sentiment.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]
+    assert "--adapter_dir outputs/demo/ppo" in result.stdout.splitlines()[0]  # its input, from the run directory
+
+
+QUICK = {  # the demo profile, cut to what shows the machinery in about two minutes
+    "sft": {"max_steps": 6, "logging_steps": 2},
+    "ppo": {"steps": 4, "save_steps": 1},
+    "eval": {"n_prompts": 16},
+    "grpo": {"max_steps": 2, "per_device_train_batch_size": 16, "max_samples": 64},
+    "eval_gsm8k": {"max_samples": 16},
+}
+
+
+@pytest.fixture
+def quick_project(tmp_path: Path, demo_cache: Path) -> Path:
+    """A project directory whose one profile is a short demo, with the real scripts and launchers."""
+    import yaml
+
+    for name in ["pipeline.sh", "scripts"]:
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")
+    quick = tmp_path / "configs" / "quick"
+    quick.mkdir()
+    for config in sorted((CONFIGS / "demo").glob("*.yaml")):
+        values = yaml.safe_load(config.read_text())
+        values.update(QUICK.get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        (quick / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
+    return tmp_path
+
+
+def _edit(path: Path, **values: object) -> None:
+    import yaml
+
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **values}, sort_keys=False))
+
+
+def _status(stderr: str) -> dict[str, str]:
+    """Each stage's console verdict: running (why) / skipped."""
+    lines = [line for line in stderr.splitlines() if line.startswith("== [")]
+    return {line.split("] ")[1].split(":")[0]: line.split(": ", 1)[1] for line in lines}
+
+
+@pytest.mark.slow
+def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(quick_project: Path) -> None:
+    run_dir = quick_project / "outputs" / "quick"
+    first = _bash_pipeline(quick_project, "--profile", "quick")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert set(_status(first.stderr)) == {"sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"}
+    for stage in ["sft", "merged", "ppo", "eval", "grpo", "eval_gsm8k"]:
+        assert (run_dir / stage / "run_config.yaml").is_file(), stage
+    for stage in ["sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"]:
+        assert (run_dir / "logs" / f"{stage}.log").stat().st_size > 0, stage
+    report = (run_dir / "report.md").read_text()
+    figures = ["loss ", "verified: max logit difference", "reward ", "held-out reward", "accuracy ", "wall time"]
+    for figure in [*figures, "peak memory planned"]:
+        assert figure in report, figure
+    assert "data:image/png;base64," in (run_dir / "report.html").read_text()
+    assert "memory plan: peak" in first.stderr  # each training stage was planned first
+
+    again = _bash_pipeline(quick_project, "--profile", "quick")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert all(v.startswith("skipped") for v in _status(again.stderr).values()), again.stderr
+    assert "ran: none (all done)" in again.stderr
+
+    _edit(quick_project / "configs" / "quick" / "grpo.yaml", learning_rate=0.002)
+    changed = _bash_pipeline(quick_project, "--profile", "quick")
+    assert changed.returncode == 0, changed.stderr[-3000:]
+    status = _status(changed.stderr)
+    assert all(status[s].startswith("skipped") for s in ["sft", "merge", "ppo", "eval"]), status
+    assert status["grpo"] == "running (settings changed: learning_rate)"
+    assert status["eval_gsm8k"] == "running (its input, grpo, re-ran)"
+
+    # Kill PPO once it has saved a checkpoint; the next run resumes from it.
+    shutil.rmtree(run_dir / "ppo.checkpoints")  # the first run's: this one starts afresh
+    _edit(quick_project / "configs" / "quick" / "ppo.yaml", steps=6, init_kl_coef=0.3)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.Popen(
+        ["bash", "pipeline.sh", "--profile", "quick", "--stages", "ppo"],
+        cwd=quick_project,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    checkpoint = run_dir / "ppo.checkpoints" / "step-2"
+    deadline = time.monotonic() + 600
+    while not checkpoint.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint.is_dir()
+    resumed = _bash_pipeline(quick_project, "--profile", "quick", "--stages", "ppo")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _status(resumed.stderr)["ppo"].startswith("running (resumed from step-")
+    assert load_run_info(run_dir / "ppo")["resumed_from"].endswith(("step-2", "step-3", "step-4", "step-5"))
+
+
+@pytest.mark.parametrize("config", sorted((CONFIGS / "accelerate").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_accelerate_config_loads_and_validates(config: Path) -> None:
+    """accelerate reads each launcher config and fills a launch from it, DeepSpeed and FSDP ones included."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    cluster = load_config_from_file(str(config))
+    args, _defaults, _mixed = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "scripts/sft_lora.py"])
+    )
+    assert args.num_processes == cluster.num_processes >= 1
+    assert config.read_text().startswith("#"), "each launcher config says when to use it and what it costs"
+    sharded = {"deepspeed_zero2": "use_deepspeed", "deepspeed_zero3": "use_deepspeed", "fsdp2": "use_fsdp"}
+    if config.stem in sharded:
+        assert getattr(args, sharded[config.stem])
+
+
+def test_a_launcher_config_with_an_unknown_key_is_refused(tmp_path: Path) -> None:
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CONFIGS / "accelerate" / "fsdp2.yaml").read_text() + "num_procesess: 4\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(bad))
+
+
+def test_a_stage_config_the_stage_would_refuse_stops_the_pipeline_with_one_line(tmp_path: Path) -> None:
+    for name in ["pipeline.sh", "scripts"]:
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "configs" / "bad").mkdir(parents=True)
+    (tmp_path / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")
+    (tmp_path / "configs" / "bad" / "sft.yaml").write_text(
+        (CONFIGS / "demo" / "sft.yaml").read_text() + "lerning_rate: 1\n"
+    )
+    result = _bash_pipeline(tmp_path, "--profile", "bad", timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [errors[-1]] and "unknown key 'lerning_rate'" in errors[0], result.stderr
+    assert not (tmp_path / "outputs" / "bad" / "sft").exists()

@@ -89,7 +89,9 @@ def test_demo_sft_changed_lora_weights_and_adapter_loads(sft_run: Path, demo_roo
 @pytest.mark.slow
 def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache: Path) -> None:
     out = tmp_path / "ddp"
-    result = _sft(out, demo_cache, "--max_steps", "6", "--logging_steps", "2", launcher=accelerate_launch(2))
+    result = _sft(
+        out, demo_cache, "--max_steps", "6", "--logging_steps", "2", launcher=accelerate_launch(2, "ddp_cpu_2proc")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     info = load_run_info(out)
     assert info["world_size"] == 2

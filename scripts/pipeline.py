@@ -1,0 +1,366 @@
+"""The whole recipe in one run directory: `bash pipeline.sh [options]` runs this.
+
+    bash pipeline.sh                                   # the embedded demo, on a CPU, in minutes
+    bash pipeline.sh --profile neox20b-24gb            # gpt-neox-20b RLHF on one 24 GB GPU
+    bash pipeline.sh --profile llama1b-16gb            # GRPO on GSM8K, then its evaluation
+    bash pipeline.sh --stages ppo eval                 # a subset; --from ppo: ppo and every stage after it
+    bash pipeline.sh --launcher ddp_2gpu               # configs/accelerate/ddp_2gpu.yaml (or any command)
+    bash pipeline.sh --run_dir runs/try2 --force       # another run directory; re-run every stage
+    bash pipeline.sh --dry_run                         # print the commands, run nothing
+
+Each stage's config is `configs/<profile>/<stage>.yaml`; the pipeline points every stage's output into
+the run directory (default `outputs/<profile>`) and every input at the stage before it there, so
+nobody types a path twice. A stage that completed with the same resolved settings is skipped; one
+whose settings changed re-runs, and so does every stage that reads its output; PPO and GRPO that
+died resume from their latest checkpoint. Each stage's full output is in `<run_dir>/logs/<stage>.log`; the console gets
+its progress bar and one line of results. At the end `report.md` and `report.html` sum the run up.
+Environment variables do the same: PROFILE, STAGES, RUN_DIR, LAUNCH, FORCE=1, DRY_RUN=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGES = ["sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"]
+SCRIPTS = {
+    "sft": "sft_lora.py",
+    "merge": "merge_adapter.py",
+    "ppo": "ppo_sentiment.py",
+    "eval": "evaluate_sentiment.py",
+    "grpo": "grpo_gsm8k.py",
+    "eval_gsm8k": "evaluate_gsm8k.py",
+}
+TRAINING = {"sft", "ppo", "grpo"}  # launched through accelerate; the others are one-process file work
+# The setting that names a stage's input, and the stage that writes it.
+INPUTS = {
+    "merge": ("adapter_dir", "sft"),
+    "ppo": ("model_name_or_path", "merge"),
+    "eval": ("adapter_dir", "ppo"),
+    "eval_gsm8k": ("adapter", "grpo"),
+}
+# What each stage reads from another: a stage re-runs when the one it reads from re-ran.
+DEPENDS = {stage: producer for stage, (_key, producer) in INPUTS.items()}
+CHECKPOINTS = {"ppo": "step", "grpo": "checkpoint"}  # resumable stages and their checkpoint prefix
+# Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
+NOT_RESULTS = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "demo_cache_dir", "report_to"}
+DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
+LOG_TAIL = 15
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(message)
+
+
+def profiles() -> list[str]:
+    return sorted(p.name for p in Path("configs").iterdir() if p.is_dir() and p.name != "accelerate")
+
+
+def arguments() -> argparse.ArgumentParser:
+    env = os.environ
+    parser = _Parser(
+        prog="bash pipeline.sh",
+        description="Run the fitrl stages of a profile in one run directory, skipping what is done.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            f"stages, in order: {' '.join(STAGES)}\nprofiles: {' '.join(profiles())}\n"
+            "launchers: " + " ".join(p.stem for p in sorted(Path("configs/accelerate").glob("*.yaml"))) + "\n\n"
+            "examples:\n"
+            + "\n".join(line.strip() for line in __doc__.splitlines() if line.strip().startswith("bash pipeline.sh"))
+        ),
+    )
+    parser.add_argument("--profile", default=env.get("PROFILE", "demo"), help="configs/<profile>/ (default: demo)")
+    parser.add_argument(
+        "--stages", nargs="+", default=env.get("STAGES", "").split() or None, help="run only these stages"
+    )
+    parser.add_argument("--from", dest="start", metavar="STAGE", help="run this stage and every one after it")
+    parser.add_argument("--run_dir", default=env.get("RUN_DIR"), help="where everything goes (outputs/<profile>)")
+    parser.add_argument(
+        "--launcher",
+        default=env.get("LAUNCH"),
+        help="a configs/accelerate/ name, an accelerate config file, or a launch command (default: one process)",
+    )
+    parser.add_argument("--force", action="store_true", default=env.get("FORCE") == "1", help="re-run every stage")
+    parser.add_argument("--dry_run", action="store_true", default=env.get("DRY_RUN") == "1", help="print, run nothing")
+    return parser
+
+
+@dataclass
+class Request:
+    profile: str
+    stages: list[str]
+    run_dir: Path
+    launch: list[str]
+    force: bool
+    dry_run: bool
+    ran: list[str] = field(default_factory=list)
+
+
+def parse(argv: list[str]) -> Request:
+    """The request, every part checked before anything runs: a typo in the last stage costs nothing."""
+    args = arguments().parse_args(argv)
+    if args.profile not in profiles():
+        raise UsageError(f"no profile configs/{args.profile}; pick one of: {' '.join(profiles())}")
+    available = [s for s in STAGES if Path(f"configs/{args.profile}/{s}.yaml").is_file()]
+    if not available:
+        raise UsageError(f"profile '{args.profile}' has no stage configs (configs/{args.profile}/<stage>.yaml)")
+    wanted = args.stages or available
+    if args.start:
+        if args.start not in STAGES:
+            raise UsageError(f"unknown stage '{args.start}' for --from; known: {' '.join(STAGES)}")
+        wanted = [s for s in available if STAGES.index(s) >= STAGES.index(args.start)]
+    for stage in wanted:
+        if stage not in STAGES:
+            raise UsageError(f"unknown stage '{stage}'; known: {' '.join(STAGES)}")
+        if stage not in available:
+            raise UsageError(
+                f"profile '{args.profile}' has no stage '{stage}' (no configs/{args.profile}/{stage}.yaml)"
+            )
+    run_dir = Path(args.run_dir or f"outputs/{args.profile}")
+    return Request(
+        args.profile, [s for s in STAGES if s in wanted], run_dir, launcher(args.launcher), args.force, args.dry_run
+    )
+
+
+def launcher(value: str | None) -> list[str]:
+    """`accelerate launch` with a named config from configs/accelerate/, a config file, or a command as given."""
+    if not value:
+        return shlex.split(DEFAULT_LAUNCH)
+    named = Path("configs/accelerate") / f"{value}.yaml"
+    for path in [named, Path(value)]:
+        if path.suffix == ".yaml" and path.is_file():
+            return ["accelerate", "launch", "--quiet", "--config_file", str(path)]
+    if " " not in value.strip() and not value.startswith("accelerate"):
+        raise UsageError(f"unknown launcher '{value}': name a configs/accelerate/ file or give a command")
+    return shlex.split(value)
+
+
+# --- one stage ------------------------------------------------------------------------------------
+
+
+def stage_output(req: Request, stage: str) -> Path:
+    from fitrl.report import STAGE_DIRS
+
+    return req.run_dir / STAGE_DIRS[stage]
+
+
+def command(req: Request, stage: str) -> list[str]:
+    """The stage's command line: its config, its output in the run directory, its input from the stage before."""
+    args = ["--config", f"configs/{req.profile}/{stage}.yaml", "--output_dir", str(stage_output(req, stage))]
+    if stage in INPUTS:
+        key, producer = INPUTS[stage]
+        if Path(f"configs/{req.profile}/{producer}.yaml").is_file():  # else the config names its own input
+            args += [f"--{key}", str(stage_output(req, producer))]
+    runner = req.launch if stage in TRAINING else ["python"]
+    return [*runner, f"scripts/{SCRIPTS[stage]}", *args]
+
+
+def _script_module(stage: str) -> Any:
+    name = f"fitrl_stage_{stage}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path("scripts") / SCRIPTS[stage])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def resolved_settings(stage: str, args: list[str]) -> dict[str, Any]:
+    """The settings the stage would run with: its YAML, the pipeline's flags, and the stage's own defaults."""
+    from fitrl.config import config_dict, parse_config
+
+    module = _script_module(stage)
+    resolve = getattr(module, "resolve_config", None)
+    configs = resolve(args) if resolve else parse_config(module.CONFIG_TYPES, args)
+    return config_dict(*configs)
+
+
+def _results_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    import yaml
+
+    plain = yaml.safe_load(yaml.safe_dump(settings))  # the types a run_config.yaml reads back as
+    return {k: v for k, v in plain.items() if k not in NOT_RESULTS}
+
+
+def completed(out: Path, settings: dict[str, Any]) -> str | None:
+    """Why the stage must run, or None when `out` holds a finished run with the same settings."""
+    from fitrl.config import load_run_config
+    from fitrl.outputs import OUTPUT_MARKER
+
+    if not (out / OUTPUT_MARKER).is_file() or not load_run_config(out):
+        return "not run yet" if not out.exists() else "its last run did not finish"
+    before, now = _results_settings(load_run_config(out)), _results_settings(settings)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    return f"settings changed: {', '.join(changed)}" if changed else None
+
+
+def resumable(stage: str, out: Path, settings: dict[str, Any]) -> Path | None:
+    """The latest checkpoint a died PPO or GRPO run left, if it was made with the settings of this one."""
+    from fitrl.checkpoints import check_resume_config, checkpoint_root, latest_checkpoint
+    from fitrl.config import UsageError as StageUsageError
+
+    if stage not in CHECKPOINTS:
+        return None
+    latest = latest_checkpoint(checkpoint_root(out), CHECKPOINTS[stage])
+    if latest is None:
+        return None
+    try:
+        check_resume_config(latest, settings)
+    except StageUsageError:
+        return None  # made with other settings: start afresh
+    return latest
+
+
+def plan(stage: str, settings: dict[str, Any]) -> bool:
+    """Print the memory plan of a training stage; False when it does not fit the GPU that is here."""
+    import torch
+
+    from fitrl import planner
+    from fitrl.config import first_line
+
+    on_gpu = torch.cuda.is_available()
+    try:
+        config = planner.architecture(settings["model_name_or_path"], settings.get("demo_cache_dir"))
+        gpu = torch.cuda.get_device_properties(0).total_memory if on_gpu else 24 * planner.GiB
+        result = planner.plan_stage(stage, settings, config, gpu_memory_bytes=gpu)
+    except Exception as e:  # the plan informs, the stage decides: a model without a config runs unplanned
+        print(f"   note: no memory plan ({first_line(e)})", file=sys.stderr)
+        return True
+    where = "" if on_gpu else " (no GPU here: 24 GiB assumed)"
+    print(f"   {planner.brief(result)}{where}", file=sys.stderr)
+    if result.fits or not on_gpu:
+        return True
+    for s in planner.suggest(stage, settings, config, gpu_memory_bytes=gpu):
+        print("   to fit: " + " ".join(f"--{k} {v}" for k, v in s["overrides"].items()), file=sys.stderr)
+    return False
+
+
+def run_logged(cmd: list[str], log: Path) -> int:
+    """Run `cmd` with its whole output in `log`; on a terminal, show its progress bar on one line."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    show = sys.stderr.isatty()
+    with tempfile.NamedTemporaryFile("w", delete=False) as status, log.open("wb") as sink:
+        env = {**os.environ, "FITRL_STATUS_FILE": status.name, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            for chunk in iter(lambda: proc.stdout.read1(4096), b""):
+                sink.write(chunk)
+                sink.flush()
+                if show:
+                    bars = [b for b in re.split(rb"[\r\n]", chunk) if b"%|" in b]
+                    if bars:
+                        sys.stderr.write("\r   " + bars[-1].decode(errors="replace")[-100:] + "\x1b[K")
+            code = proc.wait()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)  # the launcher and the processes it started
+            raise
+        finally:
+            if show:
+                sys.stderr.write("\r\x1b[K")
+        recorded = Path(status.name).read_text().strip()
+    Path(status.name).unlink(missing_ok=True)
+    # accelerate reports any failed child as exit 1: the stage left its own code (2 for bad input) here
+    return int(recorded) if code and recorded.isdigit() else code
+
+
+def executable(cmd: list[str]) -> list[str]:
+    """`python` and `accelerate launch` as this interpreter's, whatever PATH holds."""
+    if cmd[:2] == ["accelerate", "launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]]
+    return [sys.executable if w == "python" else w for w in cmd]
+
+
+def run_stage(req: Request, index: int, stage: str, timings: dict[str, float]) -> None:
+    from fitrl import report
+
+    out, cmd = stage_output(req, stage), command(req, stage)
+    head = f"== [{index}/{len(req.stages)}] {stage}"
+    if req.dry_run:
+        print(" ".join(cmd))
+        return
+    settings = resolved_settings(stage, cmd[cmd.index(f"scripts/{SCRIPTS[stage]}") + 1 :])
+    upstream = DEPENDS.get(stage)
+    if req.force:
+        reason = "forced"
+    elif upstream in req.ran:
+        reason = f"its input, {upstream}, re-ran"
+    else:
+        reason = completed(out, settings)
+    if reason is None:
+        print(f"{head}: skipped (done, same settings): {report.one_line(stage, out)}", file=sys.stderr)
+        return
+    checkpoint = None if req.force else resumable(stage, out, settings)
+    if checkpoint is not None:
+        cmd += ["--resume_from_checkpoint", str(checkpoint)]
+        reason = f"resumed from {checkpoint.name}"
+    if out.exists():
+        cmd += ["--overwrite_output_dir", "true"]  # the stage replaces only what fitrl wrote there
+    print(f"{head}: running ({reason})", file=sys.stderr)
+    if stage in TRAINING and not plan(stage, settings) and not req.force:
+        print(
+            "   stopped before loading anything: the plan does not fit this GPU; FORCE=1 runs anyway", file=sys.stderr
+        )
+        raise SystemExit(1)
+    log = req.run_dir / "logs" / f"{stage}.log"
+    started = time.perf_counter()
+    code = run_logged(executable(cmd), log)
+    if code != 0:
+        tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()
+        tail = [line for line in tail if line.strip()][-LOG_TAIL:]
+        print(f"   {stage} failed (exit {code}); the end of its log:", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
+        print(f"   full log: {log}", file=sys.stderr)
+        raise SystemExit(code)
+    timings[stage] = round(time.perf_counter() - started, 1)
+    (req.run_dir / report.TIMINGS).write_text(json.dumps(timings, indent=2) + "\n")
+    req.ran.append(stage)
+    print(f"   done in {timings[stage]:.0f} s: {report.one_line(stage, out)}  (log: {log})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        req = parse(list(sys.argv[1:] if argv is None else argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from fitrl import report
+
+    timings_path = req.run_dir / report.TIMINGS
+    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    if not req.dry_run:
+        print(f"== fitrl: profile {req.profile}, stages {' '.join(req.stages)}, in {req.run_dir}", file=sys.stderr)
+        (req.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    from fitrl.config import UsageError as StageUsageError
+
+    for i, stage in enumerate(req.stages, 1):
+        try:
+            run_stage(req, i, stage, timings)
+        except StageUsageError as e:  # a stage's config the stage itself would refuse: one line, exit 2
+            print(f"error: {stage} (configs/{req.profile}/{stage}.yaml): {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    if req.dry_run:
+        return
+    md, page = report.write(req.run_dir, title=f"fitrl {req.profile} run")
+    ran = ", ".join(req.ran) or "none (all done)"
+    print(f"== fitrl: done; ran: {ran}; report: {md} and {page}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
