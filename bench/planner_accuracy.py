@@ -1,6 +1,7 @@
 """How good is the memory plan? Planned, traced (full depth on `meta`) and measured peaks, side by side.
 
     python bench/planner_accuracy.py                 # the demo profiles and small models, on this CPU
+    python bench/planner_accuracy.py --real_profiles # and the GPU profiles, planned vs traced (minutes)
     python bench/planner_accuracy.py --device cuda   # the same on a GPU (measured: live tensor bytes)
 
 Measured is the same stage step (`fitrl.memtrace`) on real tensors, with real optimizers: for the demo
@@ -113,13 +114,36 @@ def profile(stage: str, device: str) -> None:
     compare(f"demo {stage} ({w.quantization})", config, w, device, base=base)
 
 
+REAL_PROFILES = [  # (profile, stage, architecture): too large to measure on a CPU, planned and traced
+    ("neox20b-24gb", "sft", "EleutherAI/gpt-neox-20b"),
+    ("neox20b-24gb", "ppo", "EleutherAI/gpt-neox-20b"),
+    ("llama1b-16gb", "grpo", "meta-llama/Llama-3.2-1B-Instruct"),
+]
+
+
+def real_profile(name: str, stage: str, arch: str) -> None:
+    configs = parse_config(stage_config_types(stage), ["--config", str(ROOT / "configs" / name / f"{stage}.yaml")])
+    config = planner.architecture(arch)
+    plan = planner.plan_stage(stage, config_dict(*configs), config)
+    traced = planner.trace_full_depth(config, plan.workload)
+    for phase, t in traced.items():
+        p = plan.phase_bytes[phase]
+        print(
+            f"{name + ' ' + stage:<28} {phase:<14} {mib(p)} {mib(t)} {'n/a':>9}   {'':6} {t / p:6.3f} (t/p)", flush=True
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--real_profiles", action="store_true", help="Also plan and trace the GPU profiles (minutes).")
     args = parser.parse_args()
     print(f"{'run':<28} {'phase':<14} {'planned':>9} {'traced':>9} {'measured':>9}   p/m    t/m   (MiB)")
     for stage in ["sft", "ppo", "grpo"]:
         profile(stage, args.device)
+    if args.real_profiles:
+        for name, stage, arch in REAL_PROFILES:
+            real_profile(name, stage, arch)
     for kind in ["llama", "neox"]:
         for name, w in SMALL.items():
             compare(f"{kind} {name}", small(kind), w, args.device)

@@ -55,6 +55,12 @@ def main() -> None:
     print(f"tokens/s (later steps): {sum(r['tokens_per_second'] for r in steady) / len(steady):.1f}")
     gpu = [r["memory/gpu_peak_mb"] for r in rows if r.get("memory/gpu_peak_mb") is not None]
     print(f"peak GPU memory: {max(gpu):.0f} MB" if gpu else "peak GPU memory: n/a (CPU run)")
+    memory = info.get("memory") or {}
+    if memory:
+        print(
+            f"tensor peak of one step: planned {memory.get('planned_peak_mb')} MiB, measured "
+            f"{memory.get('measured_peak_mb')} MiB ({memory.get('device')}); peak RSS {memory.get('peak_rss_mb')} MiB"
+        )
 
 
 if __name__ == "__main__":

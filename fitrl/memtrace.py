@@ -3,7 +3,7 @@
 On `meta` nothing is allocated, so the real architecture of gpt-neox-20b or Llama-3.1-8B runs a
 generation, the no-grad passes and a training micro-step on a laptop in seconds; on a CPU or GPU the
 same code measures real tensors. The planner (`fitrl.planner`) uses it three ways: its own answer
-extrapolates traces of one- and two-block models in depth; `--trace` runs the full depth; tests and
+extrapolates traces of two- and three-block models in depth; `--trace` runs the full depth; tests and
 `bench/` measure small models for real.
 
 What stands in for what cannot run on `meta`:
@@ -244,11 +244,12 @@ def nograd_pass(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
     model.eval()
     ids = _tokens(w.nograd_batch, w.seq_len, device, vocab)
     mask = torch.ones_like(ids)
-    responses, q = ids[:, w.prompt_len :], w.prompt_len
-    logits, values = model(ids, mask)
+    responses = ids[:, w.prompt_len :]
+    keep = w.completion_len + 1  # as `fitrl.rollout.response_window`: logits only where they predict the response
+    logits, values = model(ids, mask, logits_to_keep=keep)
     with _adapter_off(model):
-        ref_logits = _policy(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
-    logits, ref_logits = logits[:, q - 1 : -1], ref_logits[:, q - 1 : -1]
+        ref = _policy(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep)
+    logits, ref_logits = logits[:, :-1], ref.logits[:, :-1]
     logprobs = ppo.logprobs_from_logits(logits, responses)
     ref_logprobs = ppo.logprobs_from_logits(ref_logits, responses)
     kl = ppo.kl_penalty(logprobs, ref_logprobs)
@@ -282,8 +283,8 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
         loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
     elif w.stage == "ppo":
         q, zeros = w.prompt_len, torch.zeros(w.micro_batch, w.completion_len, device=device)
-        logits, values = model(ids, mask)
-        logprobs = ppo.logprobs_from_logits(logits[:, q - 1 : -1], ids[:, q:])
+        logits, values = model(ids, mask, logits_to_keep=w.completion_len + 1)
+        logprobs = ppo.logprobs_from_logits(logits[:, :-1], ids[:, q:])
         pg = ppo.policy_loss(logprobs, zeros, zeros, zeros + 1, 0.2)
         vf_loss, _ = ppo.value_loss(values[:, q - 1 : -1], zeros, zeros, zeros + 1, 0.2)
         loss = pg.loss + 0.1 * vf_loss

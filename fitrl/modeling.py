@@ -278,12 +278,26 @@ class PolicyAndValue(nn.Module):
         nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden_size + 1))
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.policy(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-            output_hidden_states=True,
-        )
-        values = self.value_head(out.hidden_states[-1].float()).squeeze(-1)  # (B, T)
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the last `logits_to_keep` positions (0: all) (B, K, V), and a value per position (B, T).
+
+        PPO needs logits only where they predict the response: keeping those alone saves the (B, Q, V)
+        rest. The value head reads the body's last hidden state through a hook rather than asking for
+        every layer's (`output_hidden_states` would keep L + 1 of them alive).
+        """
+        lm = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        captured: list[torch.Tensor] = []
+        hook = lm.base_model.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
+        try:
+            out = self.policy(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids(attention_mask),
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            hook.remove()
+        values = self.value_head(captured[-1].float()).squeeze(-1)  # (B, T)
         return out.logits, values

@@ -10,8 +10,8 @@ The plan has two kinds of parts:
   tree, built on the `meta` device from its `config.json`: nothing is allocated.
 - **what a step allocates, per phase** (generation with its KV cache, the no-grad passes, the
   training micro-step with its activations, logits and log-prob buffers and their fp32 upcasts):
-  `fitrl.memtrace` runs the stage's step on one- and two-block versions of the architecture on
-  `meta`, and the plan extrapolates linearly in depth (every block adds the same bytes) and, for
+  `fitrl.memtrace` runs the stage's step on two- and three-block versions of the architecture on
+  `meta`, and the plan extrapolates linearly in depth (every block after the first adds the same bytes) and, for
   generation, in the number of generated tokens (the KV cache grows by the same bytes per token).
   No formula per model family to drift with each transformers release: the trace sees the real
   attention, norms, LoRA wrapping, loss and fused heads.
@@ -215,22 +215,34 @@ def _config_json(config: Any) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
-GEN_TOKENS = (4, 8)  # generated tokens of the two short generations the plan extrapolates from
+# Generated tokens of the two generations the plan extrapolates from; a completion no longer than the
+# second is traced at its own length. Long enough that the peak is at the end, not in the prefill.
+GEN_TOKENS = (16, 32)
+
+
+# Depths the plan traces and extrapolates from. Not 1 and 2: the first block's peak can differ from
+# the others' (its input is the embedding output), and a no-grad pass stops growing after two blocks.
+DEPTHS = (2, 3)
+
+
+def _at_depth(key: str, w: Workload, layers: int, new_tokens: int) -> dict[str, float]:
+    """Each phase's bytes at the model's depth: traced there if shallow, else extrapolated linearly."""
+    if layers <= DEPTHS[1]:
+        return dict(_traced(key, w, layers, new_tokens))
+    low, high = dict(_traced(key, w, DEPTHS[0], new_tokens)), dict(_traced(key, w, DEPTHS[1], new_tokens))
+    return {phase: low[phase] + (layers - DEPTHS[0]) * (high[phase] - low[phase]) for phase in low}
 
 
 def dynamic_bytes(config: Any, w: Workload) -> dict[str, int]:
-    """Peak bytes each phase allocates beyond the static parts, extrapolated from one- and two-block traces."""
+    """Peak bytes each phase allocates beyond the static parts, extrapolated from two- and three-block traces."""
     layers, key = config.num_hidden_layers, _config_json(config)
-    phases: dict[str, float] = {}
-    one, two = dict(_traced(key, w, 1, GEN_TOKENS[0])), dict(_traced(key, w, 2, GEN_TOKENS[0]))
-    for phase in one:
-        phases[phase] = one[phase] + (layers - 1) * (two[phase] - one[phase])
-    if w.gen_batch:
-        one_b, two_b = dict(_traced(key, w, 1, GEN_TOKENS[1])), dict(_traced(key, w, 2, GEN_TOKENS[1]))
-        short = phases["generation"]
-        longer = one_b["generation"] + (layers - 1) * (two_b["generation"] - one_b["generation"])
-        per_token = (longer - short) / (GEN_TOKENS[1] - GEN_TOKENS[0])
-        phases["generation"] = short + (w.completion_len - GEN_TOKENS[0]) * per_token
+    if w.completion_len <= GEN_TOKENS[1]:
+        return {k: int(v) for k, v in _at_depth(key, w, layers, w.completion_len).items()}
+    phases = _at_depth(key, w, layers, GEN_TOKENS[0])
+    if w.gen_batch:  # the KV cache grows by the same bytes with every generated token
+        longer = _at_depth(key, w, layers, GEN_TOKENS[1])["generation"]
+        per_token = (longer - phases["generation"]) / (GEN_TOKENS[1] - GEN_TOKENS[0])
+        phases["generation"] += (w.completion_len - GEN_TOKENS[0]) * per_token
     return {k: int(v) for k, v in phases.items()}
 
 
@@ -284,8 +296,9 @@ class Plan:
             "kv_cache_bytes": self.kv_cache_bytes,
             "workload": asdict(self.workload),
         }
-        if self.suggestions:
-            out["suggestions"] = self.suggestions
+        if self.suggestions:  # overrides in the stage's own keys, closest first, and the peak each gives
+            out["suggestions"] = [s["overrides"] for s in self.suggestions]
+            out["suggested_peak_bytes"] = [s["peak_bytes"] for s in self.suggestions]
         if self.traced is not None:
             out["traced_peak_bytes"] = max(self.traced.values())
             out["traced_phase_bytes"] = self.traced
@@ -523,24 +536,16 @@ OPTIMIZER_KEY = {"sft": "optim", "ppo": "optimizer", "grpo": "optim"}
 EIGHT_BIT_OPTIMIZER = {"sft": "adamw_bnb_8bit", "ppo": "adamw_8bit", "grpo": "paged_adamw_8bit"}
 
 
-def _moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def _moves(stage: str, s: dict[str, Any], model_type: str) -> list[tuple[str, dict[str, Any]]]:
     """One-step changes of the settings `s` that save memory, each with its name, cheapest first."""
     moves: list[tuple[str, dict[str, Any]]] = []
+    attention_only = DEFAULT_LORA_TARGETS.get(model_type)
     if not s.get("gradient_checkpointing"):
         moves.append(("checkpointing", {"gradient_checkpointing": True}))
     opt = OPTIMIZER_KEY[stage]
     if "8bit" not in str(s[opt]) and s[opt] != "adafactor":
         moves.append(("optimizer", {opt: EIGHT_BIT_OPTIMIZER[stage]}))
-    if stage == "sft" and s["per_device_train_batch_size"] > 1:
-        moves.append(("micro-batch", _halve_micro(s, "per_device_train_batch_size")))
-    if stage == "grpo" and s["per_device_train_batch_size"] > 1:
-        moves.append(("micro-batch", _halve_micro(s, "per_device_train_batch_size")))
-    if stage == "ppo":
-        micro = s["mini_batch_size"] // s["gradient_accumulation_steps"]
-        if micro > 1 and micro % 2 == 0:
-            moves.append(("micro-batch", {"gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}))
-        if s["forward_batch_size"] > 1:
-            moves.append(("no-grad batch", {"forward_batch_size": s["forward_batch_size"] // 2}))
+    moves += _batch_moves(stage, s)
     quant = {"none": "8bit", "8bit": "4bit"}.get(s.get("quantization", "none"))
     if quant:
         moves.append(("quantization", {"quantization": quant}))
@@ -550,6 +555,26 @@ def _moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         moves.append(("completion length", {"max_completion_length": s["max_completion_length"] * 3 // 4}))
     if stage == "sft" and s["block_size"] > 64:
         moves.append(("block size", {"block_size": s["block_size"] // 2}))
+    targets = s.get("lora_target_modules") or (GRPO_LORA_TARGETS if stage == "grpo" else DEFAULT_LORA_TARGETS).get(
+        model_type
+    )
+    if attention_only and targets and set(targets) != set(attention_only):  # fewer adapted layers, fewer saved inputs
+        moves.append(("LoRA targets", {"lora_target_modules": list(attention_only)}))
+    return moves
+
+
+def _batch_moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Fewer sequences per pass, the same effective batch."""
+    if stage in ("sft", "grpo"):
+        if s["per_device_train_batch_size"] > 1:
+            return [("micro-batch", _halve_micro(s, "per_device_train_batch_size"))]
+        return []
+    moves = []
+    micro = s["mini_batch_size"] // s["gradient_accumulation_steps"]
+    if micro > 1 and micro % 2 == 0:
+        moves.append(("micro-batch", {"gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}))
+    if s["forward_batch_size"] > 1:
+        moves.append(("no-grad batch", {"forward_batch_size": s["forward_batch_size"] // 2}))
     return moves
 
 
@@ -577,7 +602,7 @@ def suggest(
     for _depth in range(4):
         next_frontier: list[dict[str, Any]] = []
         for overrides in frontier:
-            for _name, change in _moves(stage, {**settings, **overrides}):
+            for _name, change in _moves(stage, {**settings, **overrides}, config.model_type):
                 candidate = {**overrides, **change}
                 if candidate in next_frontier or any(f["overrides"].items() <= candidate.items() for f in found):
                     continue

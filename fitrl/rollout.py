@@ -139,9 +139,18 @@ def response_slice(tensor: torch.Tensor, rollout: Rollout) -> torch.Tensor:
     return tensor[:, rollout.query_len - 1 : -1]
 
 
+def response_window(batch: Any) -> int:
+    """`logits_to_keep` for a batch of left-padded queries and right-padded responses: R + 1 positions.
+
+    The last R + 1 positions hold the R that predict the response tokens and the final one (which
+    predicts past the end): `logits[:, :-1]` of those is `response_slice` of the full logits.
+    """
+    return batch.responses.shape[1] + 1
+
+
 def response_logprobs(model: Any, rollout: Rollout) -> torch.Tensor:
     """log p(response token) under `model` for every response position: (B, R)."""
-    logits = response_slice(forward(model, rollout).logits, rollout)
+    logits = forward(model, rollout, logits_to_keep=response_window(rollout)).logits[:, :-1]
     return logprobs_from_logits(logits, rollout.responses)
 
 

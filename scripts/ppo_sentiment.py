@@ -64,7 +64,7 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import MetricsLog, check_output_dir, markdown_cell, plot_curves, staged_output_dir
 from fitrl.planner import planned_peak_mb
-from fitrl.rollout import Rollout, decode, forward, response_slice, sample_responses
+from fitrl.rollout import Rollout, decode, forward, response_slice, response_window, sample_responses
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
 
@@ -436,10 +436,11 @@ def make_experience(run: Run, rollouts: list[Rollout], scores: torch.Tensor) -> 
     run.unwrapped.eval()
     parts = []
     for r in rollouts:
-        logits, values = run.unwrapped(r.input_ids, r.attention_mask)
+        keep = response_window(r)  # logits only where they predict the response
+        logits, values = run.unwrapped(r.input_ids, r.attention_mask, logits_to_keep=keep)
         with policy.disable_adapter():
-            ref_logits = forward(policy, r).logits
-        logits, ref_logits = response_slice(logits, r), response_slice(ref_logits, r)  # (B, R, V)
+            ref_logits = forward(policy, r, logits_to_keep=keep).logits
+        logits, ref_logits = logits[:, :-1], ref_logits[:, :-1]  # (B, R, V)
         logprobs = ppo.logprobs_from_logits(logits, r.responses)  # (B, R)
         ref_logprobs = ppo.logprobs_from_logits(ref_logits, r.responses)
         parts.append(
@@ -480,8 +481,8 @@ def ppo_update(run: Run, exp: Experience, step: int) -> dict[str, float]:
         for u in range(0, args.batch_size, micro):
             mb = exp.select(perm[u : u + micro])
             with accelerator.accumulate(model):
-                logits, values = model(mb.input_ids, mb.attention_mask)
-                logits, values = logits[:, q - 1 : -1], values[:, q - 1 : -1]
+                logits, values = model(mb.input_ids, mb.attention_mask, logits_to_keep=response_window(mb))
+                logits, values = logits[:, :-1], values[:, q - 1 : -1]
                 logprobs = ppo.logprobs_from_logits(logits, mb.responses)
                 pg = ppo.policy_loss(logprobs, mb.logprobs, mb.advantages, mb.response_mask, args.cliprange)
                 vf_loss, vf_clip = ppo.value_loss(values, mb.values, mb.returns, mb.response_mask, args.cliprange_value)

@@ -17,9 +17,15 @@ from fitrl.config import load_run_info
 from conftest import CONFIGS, ROOT
 
 
-def _pipeline(**env: str) -> subprocess.CompletedProcess:
+def _env(**extra: str) -> dict[str, str]:
+    """This interpreter's environment first on PATH: `pipeline.sh` and `accelerate` run with it."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}
+
+
+def _pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`bash pipeline.sh` in the repository, a dry run unless `DRY_RUN` says otherwise."""
     return subprocess.run(
-        ["bash", "pipeline.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True, text=True
+        ["bash", "pipeline.sh", *args], cwd=ROOT, env=_env(**{"DRY_RUN": "1", **env}), capture_output=True, text=True
     )
 
 
@@ -110,11 +116,10 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path) 
 
 
 def _bash_pipeline(cwd: Path, *args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
-    path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     return subprocess.run(
         ["bash", str(cwd / "pipeline.sh"), *args],
         cwd=cwd,
-        env={**os.environ, "PATH": path, **env},
+        env=_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -122,7 +127,7 @@ def _bash_pipeline(cwd: Path, *args: str, timeout: int = 900, **env: str) -> sub
 
 
 def test_help_lists_stages_profiles_options_and_examples() -> None:
-    result = subprocess.run(["bash", "pipeline.sh", "--help"], cwd=ROOT, capture_output=True, text=True)
+    result = _pipeline("--help", DRY_RUN="0")
     assert result.returncode == 0, result.stderr
     expected = ["sft merge ppo eval grpo eval_gsm8k", "demo", "neox20b-24gb", "ddp_cpu_2proc"]
     expected += ["--from", "--run_dir", "--launcher", "--force", "--dry_run", "bash pipeline.sh --profile llama1b-16gb"]
@@ -140,7 +145,7 @@ def test_help_lists_stages_profiles_options_and_examples() -> None:
     ],
 )
 def test_bad_options_exit_2_with_one_line(args: list[str], message: str) -> None:
-    result = subprocess.run(["bash", "pipeline.sh", *args], cwd=ROOT, capture_output=True, text=True)
+    result = _pipeline(*args, DRY_RUN="0")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [result.stderr.strip().splitlines()[-1]]
     assert result.stderr.strip().startswith(message), result.stderr
@@ -149,9 +154,7 @@ def test_bad_options_exit_2_with_one_line(args: list[str], message: str) -> None
 def test_from_runs_a_stage_and_every_one_after_it() -> None:
     result = _pipeline(PROFILE="demo", STAGES="")
     everything = _scripts(result.stdout)
-    result = subprocess.run(
-        ["bash", "pipeline.sh", "--from", "eval", "--dry_run"], cwd=ROOT, capture_output=True, text=True
-    )
+    result = _pipeline("--from", "eval")
     assert _scripts(result.stdout) == everything[3:] == ["evaluate_sentiment.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]
     assert "--adapter_dir outputs/demo/ppo" in result.stdout.splitlines()[0]  # its input, from the run directory
 
@@ -228,11 +231,10 @@ def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(qu
     # Kill PPO once it has saved a checkpoint; the next run resumes from it.
     shutil.rmtree(run_dir / "ppo.checkpoints")  # the first run's: this one starts afresh
     _edit(quick_project / "configs" / "quick" / "ppo.yaml", steps=6, init_kl_coef=0.3)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen(
         ["bash", "pipeline.sh", "--profile", "quick", "--stages", "ppo"],
         cwd=quick_project,
-        env=env,
+        env=_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

@@ -106,3 +106,62 @@ def test_sampling_follows_the_seed_and_restores_training_mode() -> None:
     assert torch.equal(draws[0], draws[1])
     assert len({tuple(row) for row in draws[0].tolist()}) > 1, "four samples of one prompt should differ"
     assert model.training
+
+
+def _tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_neox, _tiny_llama], ids=["gpt_neox", "llama"])
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_policy_and_value_keeps_only_the_response_logits_and_the_last_hidden_state(make, lora: bool) -> None:
+    """The lean forward (logits of the last R + 1 positions, one hidden state) is the full forward, sliced."""
+    from peft import LoraConfig, get_peft_model
+
+    from fitrl.modeling import PolicyAndValue
+    from fitrl.rollout import response_window
+
+    lm = make()
+    policy = get_peft_model(lm, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)) if lora else lm
+    model = PolicyAndValue(policy, lm.config.hidden_size).eval()
+    ids, mask = left_pad([[5, 6, 7], [8, 9]], PAD)
+    responses = torch.tensor([[11, 12, 13, 14], [15, 16, PAD, PAD]])
+    rollout = Rollout(
+        torch.cat([ids, responses], 1),
+        torch.cat([mask, (responses != PAD).long()], 1),
+        (responses != PAD).long(),
+        ids.shape[1],
+    )
+    with torch.no_grad():
+        full = policy(
+            input_ids=rollout.input_ids,
+            attention_mask=rollout.attention_mask,
+            position_ids=position_ids(rollout.attention_mask),
+            output_hidden_states=True,
+        )
+        logits, values = model(rollout.input_ids, rollout.attention_mask, logits_to_keep=response_window(rollout))
+        expected_values = model.value_head(full.hidden_states[-1]).squeeze(-1)
+    assert logits.shape == (2, 5, 40)
+    torch.testing.assert_close(logits[:, :-1], full.logits[:, rollout.query_len - 1 : -1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        response_logprobs(policy, rollout),
+        torch.log_softmax(full.logits[:, rollout.query_len - 1 : -1], -1)
+        .gather(2, rollout.responses.unsqueeze(-1))
+        .squeeze(-1),
+        rtol=0,
+        atol=1e-5,
+    )
