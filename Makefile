@@ -18,10 +18,10 @@ demo: setup  ## the whole pipeline on the embedded demo, on a CPU
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipeline.sh
 
 test: setup  ## every test, slow ones included (what CI runs)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 test-fast: setup  ## skip the end-to-end script runs
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadfile -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

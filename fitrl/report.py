@@ -97,8 +97,13 @@ def _eval(out: Path) -> list[str]:
         f"on {e['n_prompts']} prompts",
         f"KL {e['kl_mean']:.2f} nats",
     ]
+    if "positive_share" in e["policy"]:
+        r, p = e["reference"], e["policy"]
+        figures.append(f"called positive by the reward model {r['positive_share']:.0%} -> {p['positive_share']:.0%}")
+        figures.append(f"corpus words in responses {r['corpus_word_share']:.1%} -> {p['corpus_word_share']:.1%}")
     if "judge" in e:
-        figures.append(f"judge {e['judge']['reference']:.2f} -> {e['judge']['policy']:.2f}")
+        j = e["judge"]
+        figures.append(f"positive by the judge ({j.get('model', 'judge')}) {j['reference']:.0%} -> {j['policy']:.0%}")
     return figures
 
 

@@ -6,6 +6,7 @@ Shared by `scripts/ppo_sentiment.py` (training) and `scripts/evaluate_sentiment.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,12 +95,17 @@ class SentimentReward:
         self.label = self.model.config.label2id[args.positive_label]
         self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device
 
-    @torch.no_grad()
     def __call__(self, texts: list[str]) -> torch.Tensor:
-        scores = []
+        return self.classify(texts)[0]
+
+    @torch.no_grad()
+    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive): the reward of each text, and whether the positive label wins."""
+        scores, positive = [], []
         for i in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[i : i + self.batch_size], padding=True, truncation=True, return_tensors="pt")
             logits = self.model(**enc.to(self.device)).logits.float()
+            positive.append(logits.argmax(-1) == self.label)
             if self.kind == "logit":
                 scores.append(logits[:, self.label])
             elif self.kind == "probability":
@@ -107,7 +113,50 @@ class SentimentReward:
             else:
                 others = torch.cat([logits[:, : self.label], logits[:, self.label + 1 :]], dim=1)
                 scores.append(logits[:, self.label] - others.max(-1).values)
-        return torch.cat(scores).cpu()
+        return torch.cat(scores).cpu(), torch.cat(positive).cpu()
+
+
+LEXICON_JUDGE = "demo://lexicon"
+
+
+class SentimentJudge:
+    """A second opinion the policy never trained against: +1 (positive), -1 (negative) or 0 per text.
+
+    `demo://lexicon` is the demo corpus generator's own rule reader (`fitrl.demo.corpus.opinion_polarity`),
+    which reads sentiment from the words the corpus uses for opinions; anything else is a sequence
+    classifier (hub id or local dir) whose `positive_label` wins or not. Reward hacking shows as a
+    reward that rises while the judge does not follow.
+    """
+
+    def __init__(self, judge_model: str, positive_label: str, demo_cache_dir: str, device: torch.device):
+        self.name = judge_model
+        self.classifier = None
+        if judge_model != LEXICON_JUDGE:
+            args = RewardArguments(reward_model=judge_model, positive_label=positive_label, reward_batch_size=16)
+            self.classifier = SentimentReward(args, demo_cache_dir, device)
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        if self.classifier is None:
+            from fitrl.demo.corpus import opinion_polarity
+
+            return torch.tensor([opinion_polarity(t) for t in texts]).sign().float()
+        return self.classifier.classify(texts)[1].float() * 2 - 1
+
+
+def corpus_vocabulary(texts: list[str]) -> set[str]:
+    return {w for t in texts for w in words(t)}
+
+
+def words(text: str) -> list[str]:
+    """The lower-cased alphabetic words of `text` (numbers and punctuation are no words)."""
+    return re.findall(r"[a-z]+", text.lower())
+
+
+def corpus_word_share(texts: list[str], vocabulary: set[str]) -> float:
+    """Share of the words in `texts` that are words of the corpus: near 1 for text of the corpus's
+    kind, low for word salad. 1.0 when `texts` hold no words."""
+    found = [w for t in texts for w in words(t)]
+    return sum(w in vocabulary for w in found) / len(found) if found else 1.0
 
 
 def build_queries(tokenizer: Any, args: PromptArguments, demo_cache_dir: str, seed: int) -> list[list[int]]:

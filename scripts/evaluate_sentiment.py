@@ -1,7 +1,10 @@
-"""Evaluate a PPO policy against its reference on held-out prompts: reward, its distribution, KL.
+"""Evaluate a PPO policy against its reference on held-out prompts: reward, positive share, KL, and a judge.
 
 The policy is the merged model with the PPO adapter; the reference is the same model with the adapter
-disabled. Both answer the same held-out queries with the same response lengths.
+disabled. Both answer the same held-out queries with the same response lengths. Besides the reward
+(and the share the reward classifier calls positive), a second judge the policy never trained against
+scores both (`judge_model`: the proxy-vs-gold check of reward over-optimisation), and the share of
+response words that are words of the training corpus tells text of the corpus's kind from word salad.
 
     python scripts/evaluate_sentiment.py --config configs/demo/eval.yaml
     python scripts/evaluate_sentiment.py --config configs/neox20b-24gb/eval.yaml --n_prompts 512
@@ -20,11 +23,22 @@ from pathlib import Path
 import torch
 
 from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
+from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
-from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
+from fitrl.sentiment import (
+    LEXICON_JUDGE,
+    PromptArguments,
+    RewardArguments,
+    SentimentJudge,
+    SentimentReward,
+    build_queries,
+    check_reward_label,
+    corpus_vocabulary,
+    corpus_word_share,
+)
 
 
 @dataclass
@@ -39,6 +53,12 @@ class EvalArguments:
     n_samples_shown: int = help_field(6, "Side-by-side samples in eval.md.")
     seed: int = help_field(1234, "Seed of the query lengths, response lengths and sampling.")
     force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
+    judge_model: str | None = help_field(
+        None,
+        "A second sentiment judge the policy never trained against, reported beside the reward: a sequence "
+        "classifier (hub id or local dir) or demo://lexicon (the demo corpus's own rule reader). Empty: none.",
+    )
+    judge_positive_label: str = help_field("POSITIVE", "The judge classifier's positive label.")
 
     def validate(self) -> None:
         check(self.n_prompts >= 1, "n_prompts", ">= 1")
@@ -83,17 +103,7 @@ def resolve_config(argv: list[str] | None) -> tuple:
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = resolve_config(argv)
-    inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
-    adapter_dir = Path(args.adapter_dir).expanduser()
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, "eval", args.force, producer="ppo")
-    check_reward_label(
-        resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
-        reward_args.positive_label,
-    )
+    adapter_dir, model_path = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)[: args.n_prompts]
 
@@ -105,70 +115,120 @@ def main(argv: list[str] | None = None) -> None:
         model.to(device)
     policy = PeftModel.from_pretrained(model, adapter_dir).eval()
     reward = SentimentReward(reward_args, demo_args.demo_cache_dir, device)
-    gen = torch.Generator().manual_seed(args.seed)
-    lengths = torch.randint(
-        prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),), generator=gen
-    ).tolist()
+    judge = None
+    if args.judge_model:
+        judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)
+    corpus = load_text_dataset(prompt_args.dataset, "train", prompt_args.text_column, demo_args.demo_cache_dir)
+    vocabulary = corpus_vocabulary(corpus["text"])
 
-    rows = []
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval") as out:
-        for c in range(0, len(queries), args.batch_size):
-            qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
-            torch.manual_seed(args.seed + c)
-            rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
-            with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
-                logp = response_logprobs(policy, rollout)
-                with policy.disable_adapter():
-                    ref_logp = response_logprobs(policy, rollout)
-                    torch.manual_seed(args.seed + c)
-                    ref_rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
-            kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
-            q_texts, p_texts = decode(tokenizer, rollout)
-            _, r_texts = decode(tokenizer, ref_rollout)
-            p_scores = reward([q + r for q, r in zip(q_texts, p_texts)])
-            r_scores = reward([q + r for q, r in zip(q_texts, r_texts)])
-            for i, q in enumerate(q_texts):
-                rows.append(
-                    {
-                        "query": q,
-                        "policy_response": p_texts[i],
-                        "policy_reward": p_scores[i].item(),
-                        "reference_response": r_texts[i],
-                        "reference_reward": r_scores[i].item(),
-                        "kl": kl[i].item(),
-                    }
-                )
-
-        p_all = torch.tensor([r["policy_reward"] for r in rows])
-        r_all = torch.tensor([r["reference_reward"] for r in rows])
-        report = {
-            "n_prompts": len(rows),
-            "adapter_dir": str(adapter_dir),
-            "model": model_args.model_name_or_path,
-            "policy": summary(p_all),
-            "reference": summary(r_all),
-            "kl_mean": sum(r["kl"] for r in rows) / len(rows),
-            "samples": rows,
-        }
+        rows = answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device)
+        report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
-        plot_histogram(p_all, r_all, out / "reward_hist.png")
+        p_all = torch.tensor([r["policy_reward"] for r in rows])
+        plot_histogram(p_all, torch.tensor([r["reference_reward"] for r in rows]), out / "reward_hist.png")
         save_run_config(out, model_args, prompt_args, reward_args, args, demo_args)
     print(table)
 
 
+def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Path, str]:
+    """Every input checked before a weight loads: the output dir, the adapter, its base, the reward label."""
+    inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
+    adapter_dir = Path(args.adapter_dir).expanduser()
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, "eval", args.force, producer="ppo")
+    check_reward_label(
+        resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
+        reward_args.positive_label,
+    )
+    if args.judge_model and args.judge_model != LEXICON_JUDGE:
+        check_reward_label(
+            resolve_model_path(args.judge_model, demo_args.demo_cache_dir, "judge model"), args.judge_positive_label
+        )
+    return adapter_dir, model_path
+
+
+def answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device) -> list[dict]:
+    """Policy and reference answer every query at the same drawn length; the reward and judge score both."""
+    gen = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(
+        prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),), generator=gen
+    ).tolist()
+    rows = []
+    for c in range(0, len(queries), args.batch_size):
+        qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
+        torch.manual_seed(args.seed + c)
+        rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+        with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
+            logp = response_logprobs(policy, rollout)
+            with policy.disable_adapter():
+                ref_logp = response_logprobs(policy, rollout)
+                torch.manual_seed(args.seed + c)
+                ref_rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+        kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
+        q_texts, p_texts = decode(tokenizer, rollout)
+        _, r_texts = decode(tokenizer, ref_rollout)
+        texts = {
+            "policy": [q + r for q, r in zip(q_texts, p_texts)],
+            "reference": [q + r for q, r in zip(q_texts, r_texts)],
+        }
+        scored = {who: reward.classify(t) for who, t in texts.items()}
+        verdicts = {who: judge(t) if judge else None for who, t in texts.items()}
+        for i, q in enumerate(q_texts):
+            row = {"query": q, "policy_response": p_texts[i], "reference_response": r_texts[i], "kl": kl[i].item()}
+            for who in texts:
+                row[f"{who}_reward"] = scored[who][0][i].item()
+                row[f"{who}_positive"] = bool(scored[who][1][i])
+                if judge:
+                    row[f"{who}_judge"] = verdicts[who][i].item()
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, model: str) -> dict:
+    """The headline figures of both sides, then every sample."""
+    report = {"n_prompts": len(rows), "adapter_dir": str(adapter_dir), "model": model}
+    for who in ("policy", "reference"):
+        report[who] = {
+            **summary(torch.tensor([r[f"{who}_reward"] for r in rows])),
+            "positive_share": sum(r[f"{who}_positive"] for r in rows) / len(rows),
+            "corpus_word_share": corpus_word_share([r[f"{who}_response"] for r in rows], vocabulary),
+        }
+    report["kl_mean"] = sum(r["kl"] for r in rows) / len(rows)
+    if judge:
+        report["judge"] = {"model": judge.name}
+        for who in ("policy", "reference"):  # the judge's positive share, and its mean verdict in [-1, 1]
+            report["judge"][who] = sum(r[f"{who}_judge"] > 0 for r in rows) / len(rows)
+            report["judge"][f"{who}_mean"] = sum(r[f"{who}_judge"] for r in rows) / len(rows)
+    report["samples"] = rows
+    return report
+
+
 def report_table(report: dict, n_shown: int) -> str:
     p, r = report["policy"], report["reference"]
+    judge = report.get("judge")
+    head = "| | mean reward | std | p10 | median | p90 | called positive | corpus words |"
+    if judge:
+        head += f" judge ({judge['model']}): positive |"
+
+    def line(name: str, s: dict, who: str) -> str:
+        cells = [s["mean"], s["std"], s["p10"], s["median"], s["p90"]]
+        text = f"| {name} | " + " | ".join(f"{v:.3f}" for v in cells)
+        text += f" | {s['positive_share']:.0%} | {s['corpus_word_share']:.1%} |"
+        return text + (f" {judge[who]:.0%} |" if judge else "")
+
     lines = [
         f"# Sentiment evaluation ({report['n_prompts']} held-out prompts)",
         "",
-        "| | mean reward | std | p10 | median | p90 |",
-        "|---|---|---|---|---|---|",
-        f"| policy (PPO adapter) | {p['mean']:.3f} | {p['std']:.3f} | {p['p10']:.3f} | {p['median']:.3f} | "
-        f"{p['p90']:.3f} |",
-        f"| reference (adapter off) | {r['mean']:.3f} | {r['std']:.3f} | {r['p10']:.3f} | {r['median']:.3f} | "
-        f"{r['p90']:.3f} |",
+        head,
+        "|---" * (head.count("|") - 1) + "|",
+        line("policy (PPO adapter)", p, "policy"),
+        line("reference (adapter off)", r, "reference"),
         "",
         f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats",
         "",

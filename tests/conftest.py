@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,17 +17,28 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (`make test` runs two workers) every worker and the scripts it launches use one
+# thread: two processes of two BLAS/OpenMP threads each on two cores spin against each other and
+# ran a GRPO run 5x slower than alone.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["MKL_NUM_THREADS"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo assets, built once per test session into a fresh directory."""
+def demo_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The demo assets, built once per test session into a fresh directory.
+
+    Under pytest-xdist every worker asks for them: the directory is the session's, shared by the
+    workers, and `demo.build`'s file lock lets one build while the others wait and reuse.
+    """
     from fitrl import demo
 
-    cache = tmp_path_factory.mktemp("demo-cache")
+    base = tmp_path_factory.getbasetemp()
+    cache = (base if worker_id == "master" else base.parent) / "demo-cache"
     demo.build(cache)
     return cache
 
@@ -56,15 +68,22 @@ def run_script(*args: str | Path, timeout: int = 600, launcher: list[str] | None
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
 
 
+def free_port() -> str:
+    """A TCP port nobody listens on now: DDP tests on parallel test workers must not share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def accelerate_launch(num_processes: int, config_file: str | None = None) -> list[str]:
     """`accelerate launch` with flags, or with one of configs/accelerate/ (`config_file`, e.g. 'ddp_cpu_2proc')."""
     exe = Path(sys.executable).with_name("accelerate")
     if config_file is not None:
         path = CONFIGS / "accelerate" / f"{config_file}.yaml"
-        return [str(exe), "launch", "--config_file", str(path), "--main_process_port", "29518"]
+        return [str(exe), "launch", "--config_file", str(path), "--main_process_port", free_port()]
     cmd = [str(exe), "launch", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
     if num_processes > 1:
-        cmd += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", "29517"]
+        cmd += ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", free_port()]
     else:
         cmd += ["--num_processes", "1"]
     return cmd

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from fitrl import demo
+from fitrl.demo.corpus import opinion_polarity
 from fitrl.outputs import read_jsonl
+from fitrl.sentiment import corpus_vocabulary, corpus_word_share
 
 
 def _digests(root: Path) -> dict[str, str]:
@@ -84,3 +86,46 @@ def test_build_is_deterministic(demo_root: Path, tmp_path: Path) -> None:
     """A second build from the same seed elsewhere gives byte-identical files."""
     again = demo.build(tmp_path)
     assert _digests(again) == _digests(demo_root)
+
+
+@pytest.mark.parametrize(
+    ("text", "polarity"),
+    [
+        ("The acting was truly superb.", 1),
+        ("The acting was not at all dull.", 1),  # a negated complaint is praise
+        ("The ending was never clever.", -1),
+        ("The plot was not. Dull", -1),  # a negation stops at its sentence
+        ("I loved the cast. I hated the pacing.", 0),
+        ("I could not stand the script. Skip this one.", -2),
+        ("It stayed with me for days.", 1),
+        ("The Silent Harbor is a drama directed by Anna Keller.", 0),
+        (" in@hef not[ performance2 givesad", 0),  # word salad says nothing to the judge
+    ],
+)
+def test_lexicon_judge_reads_opinions_by_hand(text: str, polarity: int) -> None:
+    assert opinion_polarity(text) == polarity
+
+
+def test_lexicon_judge_agrees_with_the_generator_on_every_review(demo_root: Path) -> None:
+    rows = read_jsonl(demo_root / "reviews" / "train.jsonl") + read_jsonl(demo_root / "reviews" / "test.jsonl")
+    assert all((opinion_polarity(r["text"]) > 0) == bool(r["label"]) for r in rows)
+
+
+def test_corpus_word_share_counts_words_only() -> None:
+    vocabulary = corpus_vocabulary(["The acting was dull.", "It runs 90 minutes."])
+    assert vocabulary == {"the", "acting", "was", "dull", "it", "runs", "minutes"}
+    # 4 words: "acting", "was" in the corpus, "xq", "zzz" not; digits and punctuation are no words
+    assert corpus_word_share([" Acting was xq, 42", "zzz!"], vocabulary) == 0.5
+    assert corpus_word_share(["42 ..."], vocabulary) == 1.0
+
+
+def test_a_classifier_judge_gives_verdicts_and_refuses_an_unknown_label(demo_cache: Path) -> None:
+    from fitrl.config import UsageError
+    from fitrl.sentiment import SentimentJudge
+
+    judge = SentimentJudge("demo://classifier", "POSITIVE", str(demo_cache), torch.device("cpu"))
+    texts = ["The acting was superb. I loved the ending. Highly recommended.", "The plot was awful. Avoid it."]
+    assert judge(texts).tolist() == [1.0, -1.0]
+    assert SentimentJudge("demo://lexicon", "POSITIVE", str(demo_cache), torch.device("cpu"))(texts).tolist() == [1, -1]
+    with pytest.raises(UsageError, match="no label 'GOOD'"):
+        SentimentJudge("demo://classifier", "GOOD", str(demo_cache), torch.device("cpu"))

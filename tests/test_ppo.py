@@ -129,7 +129,19 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
     assert gains.mean() > 3 * standard_error, f"gain {gains.mean():.2f} +- {standard_error:.2f}"
     assert report["policy"]["mean"] == pytest.approx(report["reference"]["mean"] + gains.mean().item(), abs=1e-4)
     assert report["kl_mean"] > 0
-    assert (out / "reward_hist.png").is_file() and "reference (adapter off)" in (out / "eval.md").read_text()
+    # the reward classifier's verdicts, the second judge's and the corpus-word shares, read back per sample
+    samples = report["samples"]
+    for who in ("policy", "reference"):
+        share = sum(s[f"{who}_positive"] for s in samples) / len(samples)
+        assert report[who]["positive_share"] == pytest.approx(share)
+        assert report["judge"][who] == pytest.approx(sum(s[f"{who}_judge"] > 0 for s in samples) / len(samples))
+        assert 0 < report[who]["corpus_word_share"] <= 1
+    assert report["judge"]["model"] == "demo://lexicon"
+    assert report["policy"]["positive_share"] > report["reference"]["positive_share"]
+    table = (out / "eval.md").read_text()
+    assert (
+        (out / "reward_hist.png").is_file() and "reference (adapter off)" in table and "judge (demo://lexicon)" in table
+    )
     # the same seed gives the same evaluation, sample for sample
     again = _evaluate(tmp_path / "again", ppo_run, demo_cache)
     assert again.returncode == 0, again.stderr[-3000:]

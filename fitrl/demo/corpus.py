@@ -7,6 +7,7 @@ Pure Python, no torch: the reviews are the SFT corpus and the PPO prompts, the p
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 N_REVIEWS = 2400
@@ -205,3 +206,35 @@ def make_problem(rng: random.Random) -> dict[str, str]:
 def make_problems(seed: int, n: int = N_PROBLEMS) -> list[dict[str, str]]:
     rng = random.Random(seed + 1)
     return [make_problem(rng) for _ in range(n)]
+
+
+# The generator's own reading of a text: the demo's second sentiment judge.
+
+_POLARITY = {**{a: 1 for a in _POS_ADJ}, **{a: -1 for a in _NEG_ADJ}}
+_VERBS = {
+    **{v: 1 for v in ("loved", "enjoyed", "admired", "adored")},
+    **{v: -1 for v in ("hated", "disliked")},
+}
+_PHRASES = [("could not stand", -1), ("was bored by", -1)]
+_PHRASES += [(v.lower().rstrip("."), 1) for v in _POS_VERDICTS] + [(v.lower().rstrip("."), -1) for v in _NEG_VERDICTS]
+_NEGATIONS = ("not", "never")
+
+
+def opinion_polarity(text: str) -> int:
+    """Positive minus negative opinions in `text`, read the way the corpus writes them.
+
+    A rule reader, not a learned model: an opinion adjective counts with its sign, flipped when one of
+    the three words before it is "not" or "never" ("was not at all dull" is praise); "I loved" /
+    "I hated" and the verdict sentences count too. Words it does not know count nothing, so text that
+    only pushes a classifier's buttons scores 0 here.
+    """
+    lowered = text.lower()
+    score = sum(sign * lowered.count(phrase) for phrase, sign in _PHRASES)
+    for sentence in re.split(r"[.!?]", lowered):  # a negation reaches no further than its sentence
+        words = re.findall(r"[a-z]+", sentence)
+        for i, word in enumerate(words):
+            sign = _POLARITY.get(word, 0) or _VERBS.get(word, 0) * (i > 0 and words[i - 1] == "i")
+            if sign and word in _POLARITY and any(w in _NEGATIONS for w in words[max(0, i - 3) : i]):
+                sign = -sign
+            score += sign
+    return score
