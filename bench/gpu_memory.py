@@ -128,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="JSON file to write the rows to.")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="Tiny models and lengths: the CPU check of this script.")
+    parser.add_argument("--stages", default="sft,ppo,grpo", help="Comma-separated stages whose rows to run.")
     args = parser.parse_args(argv)
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     shapes = workloads(args.tiny)
     rows_spec = [("tiny-llama", s, q, o) for _, s, q, o in GPU_ROWS[:3]] if args.tiny else GPU_ROWS
+    rows_spec = [row for row in rows_spec if row[1] in args.stages.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, stage, quantization, optimizer in rows_spec:

@@ -8,8 +8,9 @@ extrapolates traces of two- and three-block models in depth; `--trace` runs the 
 
 What stands in for what cannot run on `meta`:
 - bitsandbytes' 8-bit and 4-bit layers: a frozen linear in the compute dtype that casts its input to
-  that dtype and its output back, as bitsandbytes does; their weights' bytes come from the planner's
-  count of the real quantized tensors, not from the stand-in.
+  that dtype and its output back, and keeps what bitsandbytes keeps for backward (an 8-bit layer's
+  input, out of gradient checkpointing's reach); their weights' bytes come from the planner's count
+  of the real quantized tensors, not from the stand-in.
 - attention: on `meta` torch takes its math path (the full (B, heads, T, T) scores); the trace calls
   the flash kernel instead (output and log-sum-exp only), which is what sdpa runs on a GPU.
 - the optimizer step: its states are counted by the planner (exact bytes), not traced.
@@ -74,12 +75,35 @@ class Workload:
         return self.quantization != "none"
 
 
+class _KbitMatmul(torch.autograd.Function):
+    """bitsandbytes' frozen k-bit matmul, memory included: compute dtype in, input dtype out, and in
+    backward a copy of the weight dequantized to the input's dtype. Its 8-bit matmul (`MatMul8bitLt`,
+    `MatMul8bitFp` on CPU) keeps its input as a plain `ctx` attribute rather than a saved tensor, so
+    gradient checkpointing cannot free it: every 8-bit layer's input lives until backward reaches
+    it (measured on CPU and on an H200). The 4-bit matmul keeps only its weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, keep: bool):
+        ctx.dtype = x.dtype
+        ctx.x = x if keep else None
+        ctx.weight = weight  # a parameter: no extra bytes
+        out = F.linear(x.to(weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad_x = grad.to(ctx.dtype) @ ctx.weight.to(ctx.dtype, copy=True) if ctx.needs_input_grad[0] else None
+        ctx.x = None
+        return grad_x, None, None, None
+
+
 class KbitLinearStandIn(nn.Linear):
-    """A frozen bitsandbytes layer's arithmetic without its kernels: compute dtype in, input dtype out."""
+    """A frozen bitsandbytes layer's arithmetic and memory without its kernels (`_KbitMatmul`)."""
+
+    keeps_input = True  # 8-bit; the 4-bit stand-ins set it False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
-        return F.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+        return _KbitMatmul.apply(x, self.weight, self.bias, self.keeps_input)
 
 
 def truncated_config(config: Any, num_layers: int) -> Any:
@@ -98,13 +122,14 @@ def _output_embedding_names(model: nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if module is head}
 
 
-def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype) -> None:
+def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype, bits: int) -> None:
     """Swap the linears bitsandbytes would quantize for stand-ins, and cast the rest to fp32 as
     `peft.prepare_model_for_kbit_training` does (norms, embeddings, head and biases)."""
     skip = _output_embedding_names(model)
     for module_name, module in list(model.named_modules()):
         if type(module) is nn.Linear and module_name not in skip:
             module.__class__ = KbitLinearStandIn
+            module.keeps_input = bits == 8
             module.weight.data = module.weight.data.to(compute_dtype)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -135,7 +160,7 @@ def build(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
         model.config.pad_token_id = model.config.pad_token_id or 0
         if w.quantized:
-            _stand_in_kbit(model, dtype)
+            _stand_in_kbit(model, dtype, 8 if w.quantization == "8bit" else 4)
     if w.gradient_checkpointing and base is None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if not w.quantized and w.finetuning == "lora":

@@ -301,7 +301,11 @@ def test_gpu_memory_bench_runs_on_cpu_with_tiny_models(tmp_path: Path) -> None:
     assert {r["stage"] for r in rows} == {"sft", "ppo", "grpo"}
     for row in rows:
         assert "error" not in row, row
-        assert abs(row["tracked_vs_planned"] - 1) < 0.10, row
+        # Real bitsandbytes layers against the plan's stand-ins, phase by phase. The 8-bit PPO row's
+        # training step was 16% over its plan until the stand-in kept each 8-bit layer's input, as
+        # bitsandbytes does past gradient checkpointing; it now agrees within 1%.
+        for phase, measured in row["measured_phase_mb"].items():
+            assert abs(row["planned_phase_mb"][phase] / measured - 1) < 0.03, (row["stage"], phase, row)
 
 
 def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
