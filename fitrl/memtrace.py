@@ -122,14 +122,14 @@ def _output_embedding_names(model: nn.Module) -> set[str]:
     return {name for name, module in model.named_modules() if module is head}
 
 
-def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype, bits: int) -> None:
-    """Swap the linears bitsandbytes would quantize for stand-ins, and cast the rest to fp32 as
-    `peft.prepare_model_for_kbit_training` does (norms, embeddings, head and biases)."""
+def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype, keeps_input: bool) -> None:
+    """Swap the linears bitsandbytes would quantize for stand-ins (`keeps_input`: 8-bit), and cast the
+    rest to fp32 as `peft.prepare_model_for_kbit_training` does (norms, embeddings, head and biases)."""
     skip = _output_embedding_names(model)
     for module_name, module in list(model.named_modules()):
         if type(module) is nn.Linear and module_name not in skip:
             module.__class__ = KbitLinearStandIn
-            module.keeps_input = bits == 8
+            module.keeps_input = keeps_input
             module.weight.data = module.weight.data.to(compute_dtype)
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
@@ -160,7 +160,7 @@ def build(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
         model.config.pad_token_id = model.config.pad_token_id or 0
         if w.quantized:
-            _stand_in_kbit(model, dtype, 8 if w.quantization == "8bit" else 4)
+            _stand_in_kbit(model, dtype, keeps_input=w.quantization == "8bit")
     if w.gradient_checkpointing and base is None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if not w.quantized and w.finetuning == "lora":
