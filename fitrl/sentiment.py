@@ -152,10 +152,22 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z]+", text.lower())
 
 
-def corpus_word_share(texts: list[str], vocabulary: set[str]) -> float:
-    """Share of the words in `texts` that are words of the corpus: near 1 for text of the corpus's
-    kind, low for word salad. 1.0 when `texts` hold no words."""
-    found = [w for t in texts for w in words(t)]
+def corpus_word_share(queries: list[str], responses: list[str], vocabulary: set[str]) -> float:
+    """Share of the words the responses wrote that are words of the corpus: near 1 for text of the
+    corpus's kind, low for word salad; 1.0 when the responses hold no words.
+
+    Each response is read after its query, because prompts are cut at a token and responses go on
+    mid-word ("The Endl" + "ess Road" is "Endless Road", not "ess"): a word counts when it ends inside
+    the response. A last word that runs into the length limit ("in a lightho") is left out, unless it is
+    the response's only word.
+    """
+    found = []
+    for query, response in zip(queries, responses, strict=True):
+        text = (query + response).lower()
+        spans = [m for m in re.finditer(r"[a-z]+", text) if m.end() > len(query)]
+        if len(spans) > 1 and spans[-1].end() == len(text):
+            spans.pop()
+        found += [m.group() for m in spans]
     return sum(w in vocabulary for w in found) / len(found) if found else 1.0
 
 

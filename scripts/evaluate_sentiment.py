@@ -197,7 +197,9 @@ def summarize(rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, 
         report[who] = {
             **summary(torch.tensor([r[f"{who}_reward"] for r in rows])),
             "positive_share": sum(r[f"{who}_positive"] for r in rows) / len(rows),
-            "corpus_word_share": corpus_word_share([r[f"{who}_response"] for r in rows], vocabulary),
+            "corpus_word_share": corpus_word_share(
+                [r["query"] for r in rows], [r[f"{who}_response"] for r in rows], vocabulary
+            ),
         }
     report["kl_mean"] = sum(r["kl"] for r in rows) / len(rows)
     if judge:

@@ -107,3 +107,38 @@ def assert_memory_planned_and_measured(info: dict) -> None:
     planned, measured = memory["planned_peak_mb"], memory["measured_peak_mb"]
     assert planned > 0 and measured > 0, memory
     assert 0.7 < measured / planned < 1.10, memory
+
+
+def demo_project(root: Path, demo_cache: Path, profile: str, overrides: dict[str, dict] | None = None) -> Path:
+    """A project directory at `root` with the real scripts and launchers, whose one profile is the demo's
+    configs (each stage's `overrides` applied) under the name `profile`, reading the session's demo build."""
+    import yaml
+
+    for name in ["pipeline.sh", "scripts"]:
+        (root / name).symlink_to(ROOT / name)
+    (root / "configs").mkdir()
+    (root / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")
+    configs = root / "configs" / profile
+    configs.mkdir()
+    for config in sorted((CONFIGS / "demo").glob("*.yaml")):
+        values = yaml.safe_load(config.read_text())
+        values.update((overrides or {}).get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        (configs / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
+    return root
+
+
+def pipeline_env(**extra: str) -> dict[str, str]:
+    """This interpreter's environment first on PATH: `pipeline.sh` and `accelerate` run with it."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}
+
+
+def bash_pipeline(cwd: Path, *args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
+    """`bash pipeline.sh ARGS` in the project directory `cwd`, as a user runs it."""
+    return subprocess.run(
+        ["bash", str(cwd / "pipeline.sh"), *args],
+        cwd=cwd,
+        env=pipeline_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

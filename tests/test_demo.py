@@ -50,6 +50,11 @@ def test_arithmetic_set_is_gsm8k_shaped_and_correct(demo_root: Path) -> None:
             for expr, value in steps:
                 a, op, b = re.fullmatch(r"(\d+)([+\-*])(\d+)", expr).groups()
                 assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(value)
+        # an easy level (one step, numbers up to 5 in, up to 10 out) that a tiny model can start on
+        easy = [
+            r for r in rows if r["answer"].count("<<") == 1 and max(map(int, re.findall(r"\d+", r["answer"]))) <= 10
+        ]
+        assert 0.35 < len(easy) / len(rows) < 0.65
 
 
 def test_classifier_reaches_accuracy_bar_on_held_out_reviews(demo_root: Path) -> None:
@@ -115,8 +120,14 @@ def test_corpus_word_share_counts_words_only() -> None:
     vocabulary = corpus_vocabulary(["The acting was dull.", "It runs 90 minutes."])
     assert vocabulary == {"the", "acting", "was", "dull", "it", "runs", "minutes"}
     # 4 words: "acting", "was" in the corpus, "xq", "zzz" not; digits and punctuation are no words
-    assert corpus_word_share([" Acting was xq, 42", "zzz!"], vocabulary) == 0.5
-    assert corpus_word_share(["42 ..."], vocabulary) == 1.0
+    assert corpus_word_share(["", "The"], [" Acting was xq, 42", " zzz!"], vocabulary) == 0.5
+    assert corpus_word_share(["It runs"], [" 42 ..."], vocabulary) == 1.0
+    # a word the query began is read whole ("act" + "ing"); one cut by the length limit is left out,
+    # unless it is all the response wrote
+    assert corpus_word_share(["The act"], ["ing was du"], vocabulary) == 1.0
+    assert corpus_word_share(["The act"], ["ing was xq"], vocabulary) == 1.0
+    assert corpus_word_share(["The act"], ["ing xq was."], vocabulary) == 2 / 3
+    assert corpus_word_share(["The"], [" xq"], vocabulary) == 0.0
 
 
 def test_a_classifier_judge_gives_verdicts_and_refuses_an_unknown_label(demo_cache: Path) -> None:

@@ -298,42 +298,6 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
     assert summary["split"] == "test"  # a local test.jsonl is the test split, whatever dataset_split says
 
 
-@pytest.mark.slow
-def test_grpo_raises_the_demo_reward(tmp_path: Path, demo_cache: Path) -> None:
-    """The learning test: the demo profile as shipped, and the mean reward must really climb."""
-    out = tmp_path / "grpo"
-    result = run_script(
-        "grpo_gsm8k.py",
-        "--config",
-        CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
-        "--output_dir",
-        out,
-        "--num_samples_to_show",
-        "0",
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward" in r]
-
-    def first_and_last_fifth(key: str) -> tuple[float, float]:
-        values = [r[key] for r in rows]
-        k = len(values) // 5
-        return sum(values[:k]) / k, sum(values[-k:]) / k
-
-    first, last = first_and_last_fifth("reward")
-    assert last > first + LEARNING_MARGIN, f"mean reward {first:.3f} -> {last:.3f}"
-    # and the gain is the format being learned, not a lucky run of correct answers
-    strict_first, strict_last = first_and_last_fifth("rewards/strict_format_reward/mean")
-    assert strict_last > strict_first, f"strict format reward {strict_first:.3f} -> {strict_last:.3f}"
-
-
-# A fifth of the run is 24 steps x 64 completions: the standard error of the difference of the two
-# fifths' mean rewards is about 0.02, so 0.07 is no accident. With the shipped learning rate (1e-3),
-# seeds 42 (shipped) and 1 gave +0.098 and +0.101 on a 2-core CPU (2e-3 had given +0.04 and +0.10).
-LEARNING_MARGIN = 0.07
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -14,18 +14,17 @@ import pytest
 
 from fitrl.config import load_run_info
 
-from conftest import CONFIGS, ROOT
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """This interpreter's environment first on PATH: `pipeline.sh` and `accelerate` run with it."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **extra}
+from conftest import CONFIGS, ROOT, bash_pipeline, demo_project, pipeline_env
 
 
 def _pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
     """`bash pipeline.sh` in the repository, a dry run unless `DRY_RUN` says otherwise."""
     return subprocess.run(
-        ["bash", "pipeline.sh", *args], cwd=ROOT, env=_env(**{"DRY_RUN": "1", **env}), capture_output=True, text=True
+        ["bash", "pipeline.sh", *args],
+        cwd=ROOT,
+        env=pipeline_env(**{"DRY_RUN": "1", **env}),
+        capture_output=True,
+        text=True,
     )
 
 
@@ -115,17 +114,6 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path) 
     assert "Traceback" not in result.stderr
 
 
-def _bash_pipeline(cwd: Path, *args: str, timeout: int = 900, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(cwd / "pipeline.sh"), *args],
-        cwd=cwd,
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_help_lists_stages_profiles_options_and_examples() -> None:
     result = _pipeline("--help", DRY_RUN="0")
     assert result.returncode == 0, result.stderr
@@ -171,19 +159,7 @@ QUICK = {  # the demo profile, cut to what shows the machinery in about two minu
 @pytest.fixture
 def quick_project(tmp_path: Path, demo_cache: Path) -> Path:
     """A project directory whose one profile is a short demo, with the real scripts and launchers."""
-    import yaml
-
-    for name in ["pipeline.sh", "scripts"]:
-        (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / "configs").mkdir()
-    (tmp_path / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")
-    quick = tmp_path / "configs" / "quick"
-    quick.mkdir()
-    for config in sorted((CONFIGS / "demo").glob("*.yaml")):
-        values = yaml.safe_load(config.read_text())
-        values.update(QUICK.get(config.stem, {}), demo_cache_dir=str(demo_cache))
-        (quick / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
-    return tmp_path
+    return demo_project(tmp_path, demo_cache, "quick", QUICK)
 
 
 def _edit(path: Path, **values: object) -> None:
@@ -201,7 +177,7 @@ def _status(stderr: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(quick_project: Path) -> None:
     run_dir = quick_project / "outputs" / "quick"
-    first = _bash_pipeline(quick_project, "--profile", "quick")
+    first = bash_pipeline(quick_project, "--profile", "quick")
     assert first.returncode == 0, first.stderr[-3000:]
     assert set(_status(first.stderr)) == {"sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"}
     for stage in ["sft", "merged", "ppo", "eval", "grpo", "eval_gsm8k"]:
@@ -215,13 +191,13 @@ def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(qu
     assert "data:image/png;base64," in (run_dir / "report.html").read_text()
     assert "memory plan: peak" in first.stderr  # each training stage was planned first
 
-    again = _bash_pipeline(quick_project, "--profile", "quick")
+    again = bash_pipeline(quick_project, "--profile", "quick")
     assert again.returncode == 0, again.stderr[-3000:]
     assert all(v.startswith("skipped") for v in _status(again.stderr).values()), again.stderr
     assert "ran: none (all done)" in again.stderr
 
     _edit(quick_project / "configs" / "quick" / "grpo.yaml", learning_rate=0.002)
-    changed = _bash_pipeline(quick_project, "--profile", "quick")
+    changed = bash_pipeline(quick_project, "--profile", "quick")
     assert changed.returncode == 0, changed.stderr[-3000:]
     status = _status(changed.stderr)
     assert all(status[s].startswith("skipped") for s in ["sft", "merge", "ppo", "eval"]), status
@@ -234,7 +210,7 @@ def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(qu
     proc = subprocess.Popen(
         ["bash", "pipeline.sh", "--profile", "quick", "--stages", "ppo"],
         cwd=quick_project,
-        env=_env(),
+        env=pipeline_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -246,7 +222,7 @@ def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(qu
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert checkpoint.is_dir()
-    resumed = _bash_pipeline(quick_project, "--profile", "quick", "--stages", "ppo")
+    resumed = bash_pipeline(quick_project, "--profile", "quick", "--stages", "ppo")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _status(resumed.stderr)["ppo"].startswith("running (resumed from step-")
     assert load_run_info(run_dir / "ppo")["resumed_from"].endswith(("step-2", "step-3", "step-4", "step-5"))
@@ -286,7 +262,7 @@ def test_a_stage_config_the_stage_would_refuse_stops_the_pipeline_with_one_line(
     (tmp_path / "configs" / "bad" / "sft.yaml").write_text(
         (CONFIGS / "demo" / "sft.yaml").read_text() + "lerning_rate: 1\n"
     )
-    result = _bash_pipeline(tmp_path, "--profile", "bad", timeout=300)
+    result = bash_pipeline(tmp_path, "--profile", "bad", timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [errors[-1]] and "unknown key 'lerning_rate'" in errors[0], result.stderr

@@ -39,18 +39,9 @@ def _ppo(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = 
 @pytest.fixture(scope="module")
 def ppo_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
     out = tmp_path_factory.mktemp("ppo") / "run"
-    result = _ppo(out, demo_cache)  # the demo profile as shipped: 30 steps of 32 prompts
+    result = _ppo(out, demo_cache)  # the demo profile as shipped (60 steps of 32 prompts), on the demo LM
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-@pytest.mark.slow
-def test_ppo_raises_the_demo_reward(ppo_run: Path) -> None:
-    rewards = [r["env/reward_mean"] for r in read_jsonl(ppo_run / "metrics.jsonl")]
-    assert len(rewards) == 30
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    # Each step's mean is over 32 responses with std ~2: a 5-step mean has a standard error of ~0.16.
-    assert last - first > 0.6, f"reward did not rise clearly: {rewards}"
 
 
 @pytest.mark.slow
@@ -138,6 +129,7 @@ def test_evaluation_prefers_the_policy(ppo_run: Path, demo_cache: Path, tmp_path
         assert 0 < report[who]["corpus_word_share"] <= 1
     assert report["judge"]["model"] == "demo://lexicon"
     assert report["policy"]["positive_share"] > report["reference"]["positive_share"]
+    # (the demo's bars on the shipped pipeline, merged SFT model included: tests/test_demo_learns.py)
     table = (out / "eval.md").read_text()
     assert (
         (out / "reward_hist.png").is_file() and "reference (adapter off)" in table and "judge (demo://lexicon)" in table

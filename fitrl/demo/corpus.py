@@ -176,19 +176,33 @@ _NAMES = ["Mia", "Leo", "Ava", "Sam", "Zoe", "Ben", "Ivy", "Max", "Ella", "Noah"
 _ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
 
 
+EASY_SHARE = 0.5  # of the problems: one step on small numbers, so a tiny model solves some from the start
+EASY_MAX = 5
+
+
 def make_problem(rng: random.Random) -> dict[str, str]:
+    """One word problem: half of them easy (one addition or subtraction on numbers up to EASY_MAX, as
+    the first grades do), the rest GSM8K-like (bigger numbers, multiplication, two steps)."""
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    kind = rng.choice(["add", "sub", "mul", "add_sub"])
-    a, b = rng.randint(2, 20), rng.randint(2, 12)
+    if rng.random() < EASY_SHARE:
+        kind = rng.choice(["add", "sub"])
+        a, b = rng.randint(1, EASY_MAX), rng.randint(1, EASY_MAX)
+        if kind == "sub":
+            a = a + b  # the result stays in 1..EASY_MAX
+    else:
+        kind = rng.choice(["add", "sub", "mul", "add_sub"])
+        a, b = rng.randint(2, 20), rng.randint(2, 12)
+        if kind == "sub":
+            a = a + b
+        elif kind == "mul":
+            a = rng.randint(2, 9)
     if kind == "add":
         q = f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?"
         steps, result = [f"{name} has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} {item}."], a + b
     elif kind == "sub":
-        a = a + b
         q = f"{name} has {a} {item} and gives away {b}. How many {item} are left?"
         steps, result = [f"{name} has {a} - {b} = <<{a}-{b}={a - b}>>{a - b} {item} left."], a - b
     elif kind == "mul":
-        a = rng.randint(2, 9)
         q = f"{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?"
         steps, result = [f"{name} buys {a} * {b} = <<{a}*{b}={a * b}>>{a * b} {item}."], a * b
     else:

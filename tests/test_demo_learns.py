@@ -1,0 +1,75 @@
+"""The demo as a new user first runs it (`bash pipeline.sh`, every stage, the shipped demo profile) learns
+what the real recipes learn: an LM that writes the corpus's sentences, PPO that turns them positive
+(which a second judge confirms) without drifting into word salad, and GRPO that raises accuracy.
+
+One pipeline run serves every test here; the margins are stated where they are asserted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fitrl import demo
+from fitrl.outputs import read_jsonl
+
+from conftest import CONFIGS, bash_pipeline, demo_project
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+    project = demo_project(tmp_path_factory.mktemp("project"), demo_cache, "demo")
+    result = bash_pipeline(project, "--profile", "demo", timeout=1800)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return project / "outputs" / "demo"
+
+
+def test_the_demo_lm_writes_held_out_text_well(demo_cache: Path) -> None:
+    # A 2-layer model after 40 pretraining steps (demo v2) had a held-out perplexity of ~107 and wrote
+    # word salad; the shipped LM is at ~2.5 on reviews it never saw.
+    assert demo.manifest(demo_cache)["lm_test_perplexity"] < 4.0
+
+
+@pytest.mark.slow
+def test_ppo_turns_fluent_reviews_positive_and_the_judge_agrees(demo_run: Path) -> None:
+    report = json.loads((demo_run / "eval" / "eval.json").read_text())
+    policy, reference, judge = report["policy"], report["reference"], report["judge"]
+    # On 96 held-out prompts a share's standard error is at most 5 points: the bars below sit at least
+    # two of them under what seeds 0-2 of this profile gave (86-93% positive, 95.8-97.4% corpus words,
+    # judge 15% -> 53-65%).
+    assert policy["positive_share"] >= 0.8 > reference["positive_share"], (policy, reference)
+    # both sides write the corpus's sentences: the reference (the SFT model) and the PPO policy
+    assert min(policy["corpus_word_share"], reference["corpus_word_share"]) >= 0.95, (policy, reference)
+    # the second judge, which PPO never trained against, sees the same gain
+    assert judge["model"] == "demo://lexicon"
+    assert judge["policy"] > judge["reference"] + 0.2, judge
+    # and the policy stayed near the KL the controller aims at (per response, in nats)
+    target = yaml.safe_load((CONFIGS / "demo" / "ppo.yaml").read_text())["target_kl"]
+    assert 0 < report["kl_mean"] < 1.5 * target, report["kl_mean"]
+    rewards = [r["env/reward_mean"] for r in read_jsonl(demo_run / "ppo" / "metrics.jsonl")]
+    # Each step's mean is over 32 responses with std ~2: a 5-step mean has a standard error of ~0.16.
+    assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 > 0.6, rewards
+
+
+@pytest.mark.slow
+def test_grpo_raises_accuracy_in_training_and_on_held_out_problems(demo_run: Path) -> None:
+    rows = [r for r in read_jsonl(demo_run / "grpo" / "metrics.jsonl") if "reward" in r]
+    k = len(rows) // 5
+    accuracy = [r["rewards/accuracy_reward/mean"] for r in rows]
+    first, last = sum(accuracy[:k]) / k, sum(accuracy[-k:]) / k
+    # A fifth of the run is 24 steps x 64 completions: the standard error of the difference of the two
+    # fifths' mean accuracy rewards (0 or 2 per completion) is about 0.04. The shipped seed: 0.21 -> 0.48.
+    assert last > first + 0.15, f"accuracy reward {first:.3f} -> {last:.3f}"
+
+    summary = json.loads((demo_run / "eval_gsm8k" / "summary.json").read_text())
+    before = summary["without_adapter"]
+    # Greedy accuracy on the 300 held-out problems, GRPO adapter vs the same model with it off. The
+    # shipped seed gives 17.7% -> 26.7%. Even if a quarter of the problems changed verdict, the paired
+    # difference would have a standard error under 3 points: 5 points is no accident. (Issue 14 asks
+    # for 10: not reached yet.) The reasoner starts able to solve some problems.
+    assert summary["accuracy"] >= before["accuracy"] + 0.05, (summary["accuracy"], before["accuracy"])
+    assert before["accuracy"] > 0.1
+    assert summary["format_compliance"] >= before["format_compliance"]
