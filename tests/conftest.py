@@ -61,11 +61,13 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
-def run_script(*args: str | Path, timeout: int = 600, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run `scripts/<args[0]>` with the rest as CLI arguments, in a subprocess, as a user would."""
+def run_script(
+    *args: str | Path, timeout: int = 600, launcher: list[str] | None = None, cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """Run `scripts/<args[0]>` with the rest as CLI arguments, in a subprocess in `cwd`, as a user would."""
     script, *rest = args
     cmd = [*(launcher or [sys.executable]), str(ROOT / "scripts" / script), *map(str, rest)]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
 
 
 def free_port() -> str:
