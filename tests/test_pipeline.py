@@ -19,13 +19,7 @@ from conftest import CONFIGS, ROOT, bash_pipeline, demo_project, pipeline_env
 
 def _pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
     """`bash pipeline.sh` in the repository, a dry run unless `DRY_RUN` says otherwise."""
-    return subprocess.run(
-        ["bash", "pipeline.sh", *args],
-        cwd=ROOT,
-        env=pipeline_env(**{"DRY_RUN": "1", **env}),
-        capture_output=True,
-        text=True,
-    )
+    return bash_pipeline(ROOT, *args, **{"DRY_RUN": "1", **env})
 
 
 def _scripts(stdout: str) -> list[str]:

@@ -34,7 +34,6 @@ DEFAULT_CACHE_DIR = "~/.cache/fitrl/demo"
 SCHEME = "demo://"
 N_TEST_REVIEWS = 400
 N_TEST_PROBLEMS = 300
-REASONER_PROBLEMS = N_PROBLEMS - N_TEST_PROBLEMS  # every training problem
 # A fixed thread count: the same bits on any machine (1 thread gave that too, 1.5x slower).
 BUILD_THREADS = 2
 MODELS = ("lm", "reasoner", "classifier")
@@ -99,22 +98,22 @@ def _build_into(staging: Path, seed: int) -> None:
         reviews = make_reviews(seed)
         train, test = reviews[N_TEST_REVIEWS:], reviews[:N_TEST_REVIEWS]
         problems = make_problems(seed)
+        train_problems, test_problems = problems[N_TEST_PROBLEMS:], problems[:N_TEST_PROBLEMS]
         write_jsonl(staging / "reviews" / "train.jsonl", train)
         write_jsonl(staging / "reviews" / "test.jsonl", test)
-        write_jsonl(staging / "arithmetic" / "train.jsonl", problems[N_TEST_PROBLEMS:])
-        write_jsonl(staging / "arithmetic" / "test.jsonl", problems[:N_TEST_PROBLEMS])
-        texts = [r["text"] for r in reviews] + [p["question"] + "\n" + p["answer"] for p in problems]
-        tok = models.train_lm_tokenizer(texts, staging / "lm")
+        write_jsonl(staging / "arithmetic" / "train.jsonl", train_problems)
+        write_jsonl(staging / "arithmetic" / "test.jsonl", test_problems)
+
+        def text(row: dict[str, Any]) -> str:
+            return row["text"] if "text" in row else row["question"] + "\n" + row["answer"]
+
+        tok = models.train_lm_tokenizer([text(r) for r in reviews + problems], staging / "lm")
         # Pretrain on half the training reviews and problems: SFT then adapts it to the other half, and
         # the test splits stay unseen (held-out perplexity, PPO's evaluation prompts, GRPO's accuracy).
-        half = [r["text"] for r in train[: len(train) // 2]] + [
-            p["question"] + "\n" + p["answer"]
-            for p in problems[N_TEST_PROBLEMS:][: (N_PROBLEMS - N_TEST_PROBLEMS) // 2]
-        ]
-        perplexity = models.build_lm(tok, half, [r["text"] for r in test], staging / "lm", seed)
-        # The format SFT uses the training problems only: the test split stays unseen for evaluation.
-        format_problems = problems[N_TEST_PROBLEMS:][:REASONER_PROBLEMS]
-        models.build_reasoner(staging / "lm", format_problems, staging / "reasoner", seed)
+        half = [text(r) for r in train[: len(train) // 2] + train_problems[: len(train_problems) // 2]]
+        perplexity = models.build_lm(tok, half, [text(r) for r in test], staging / "lm", seed)
+        # The format SFT uses every training problem: the test split stays unseen for evaluation.
+        models.build_reasoner(staging / "lm", train_problems, staging / "reasoner", seed)
         accuracy = models.build_classifier(train, test, staging / "classifier", seed)
     finally:
         torch.set_num_threads(threads)
