@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup demo test test-fast lint format
+.PHONY: setup demo test test-fast lint format bench-peer-env
 
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -28,3 +28,13 @@ lint: setup
 
 format: setup
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# The peer for bench/ppo_vs_trl011.py: TRL 0.11.4 in a virtual environment of its own (transformers 4.x).
+PEER_VENV ?= .venv-trl011
+$(PEER_VENV)/.installed: bench/trl011/requirements.txt
+	python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install --quiet -r bench/trl011/requirements.txt
+	touch $@
+
+bench-peer-env: $(PEER_VENV)/.installed  ## TRL 0.11.4 for bench/ppo_vs_trl011.py

@@ -18,7 +18,7 @@ from torch import nn
 from fitrl import demo
 from fitrl.config import UsageError, check, first_line, help_field, offline_note
 from fitrl.distributed import process_state
-from fitrl.rollout import position_ids
+from fitrl.rollout import last_hidden_states, position_ids
 
 # LoRA targets per architecture when the config names none: the attention projections the
 # original LoRA paper and the peft examples use for each family.
@@ -287,17 +287,15 @@ class PolicyAndValue(nn.Module):
         rest. The value head reads the body's last hidden state through a hook rather than asking for
         every layer's (`output_hidden_states` would keep L + 1 of them alive).
         """
-        lm = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
-        captured: list[torch.Tensor] = []
-        hook = lm.base_model.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
-        try:
+        with last_hidden_states(self.policy) as captured:
             out = self.policy(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids(attention_mask),
                 logits_to_keep=logits_to_keep,
             )
-        finally:
-            hook.remove()
-        values = self.value_head(captured[-1].float()).squeeze(-1)  # (B, T)
-        return out.logits, values
+        return out.logits, self.values(captured[-1])
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head on the body's last hidden states: (B, T, H) -> (B, T)."""
+        return self.value_head(hidden.float()).squeeze(-1)

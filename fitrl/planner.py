@@ -439,7 +439,9 @@ def workload(
             micro_batch=settings["mini_batch_size"] // settings["gradient_accumulation_steps"],
             prompt_len=settings["query_max_tokens"],
             completion_len=settings["response_max_tokens"],
-            gen_batch=min(settings["forward_batch_size"], settings["batch_size"]),
+            gen_batch=min(
+                settings.get("generation_batch_size") or settings["forward_batch_size"], settings["batch_size"]
+            ),
             nograd_batch=min(settings["forward_batch_size"], settings["batch_size"]),
             reference_pass=True,
             value_head=True,
@@ -575,6 +577,8 @@ def _batch_moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any
         moves.append(("micro-batch", {"gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}))
     if s["forward_batch_size"] > 1:
         moves.append(("no-grad batch", {"forward_batch_size": s["forward_batch_size"] // 2}))
+    if (s.get("generation_batch_size") or 0) > 1:
+        moves.append(("generation batch", {"generation_batch_size": s["generation_batch_size"] // 2}))
     return moves
 
 

@@ -43,14 +43,27 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under `logits`: (B, T, V), (B, T) -> (B, T)."""
-    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, tokens.unsqueeze(-1)).squeeze(-1)
+    """log p(token) under `logits`: (B, T, V), (B, T) -> (B, T).
+
+    The taken token's logit minus the log-normaliser, one sequence at a time: no (B, T, V) log-softmax
+    (nor an fp32 copy of half-precision logits) is ever built, so the peak is one (T, V) temporary. With
+    gpt-neox-20b's 50k vocabulary that is most of the memory the log-probs cost.
+    """
+    rows = [_row_logprobs(row.float(), tok) for row, tok in zip(logits, tokens)]
+    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)
+
+
+def _row_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's next-token distribution: (B, T, V) -> (B, T)."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of each position's next-token distribution: (B, T, V) -> (B, T), a sequence at a time."""
+    rows = []
+    for row in logits:
+        logp = F.log_softmax(row.float(), dim=-1)
+        rows.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows) if rows else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
 
 
 def kl_penalty(
@@ -74,8 +87,11 @@ def kl_penalty(
     if kind == "full":
         if logits is None or ref_logits is None:
             raise ValueError("kl_penalty 'full' needs the policy and reference logits")
-        logp, logq = F.log_softmax(logits.float(), -1), F.log_softmax(ref_logits.float(), -1)
-        return (logp.exp() * (logp - logq)).sum(-1)
+        rows = []
+        for row, ref_row in zip(logits, ref_logits):  # a sequence at a time, as above
+            logp, logq = F.log_softmax(row.float(), -1), F.log_softmax(ref_row.float(), -1)
+            rows.append((logp.exp() * (logp - logq)).sum(-1))
+        return torch.stack(rows)
     raise ValueError(f"unknown KL estimator {kind!r}")
 
 

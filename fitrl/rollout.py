@@ -14,14 +14,24 @@ Shapes: B = sequences, Q = query width (left-padded), R = response width (right-
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fitrl.answer_format import render_prompt
-from fitrl.ppo import logprobs_from_logits
+from fitrl.ppo import entropy_from_logits, logprobs_from_logits
+
+
+@dataclass
+class PolicyOutputs:
+    """What the sampling pass already computed at each response position, so no second forward of the
+    policy is needed: 0 after each response's end."""
+
+    logprobs: torch.Tensor  # (B, R) log p of each sampled token under the policy that sampled it
+    entropy: torch.Tensor  # (B, R) entropy of the distribution it was sampled from
+    hidden: torch.Tensor  # (B, R, H) the body's last hidden state where each token was predicted
 
 
 @dataclass
@@ -32,11 +42,28 @@ class Rollout:
     attention_mask: torch.Tensor  # (B, Q + R): 0 on left padding and after each response's end
     response_mask: torch.Tensor  # (B, R): 1 on real response tokens
     query_len: int  # Q: where responses start
+    policy: PolicyOutputs | None = None  # kept from generation when asked (`sample_responses(keep_policy=True)`)
 
     @property
     def responses(self) -> torch.Tensor:
         """The response token ids, pad after each response's end: (B, R)."""
         return self.input_ids[:, self.query_len :]
+
+    def split(self, size: int) -> list[Rollout]:
+        """The same rollout as consecutive row chunks of at most `size` sequences (one layout)."""
+        out = []
+        for start in range(0, len(self.input_ids), size):
+            rows = slice(start, start + size)
+            policy = None
+            if self.policy is not None:
+                p = self.policy
+                policy = PolicyOutputs(p.logprobs[rows], p.entropy[rows], p.hidden[rows])
+            out.append(
+                Rollout(
+                    self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], self.query_len, policy
+                )
+            )
+        return out
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -74,6 +101,20 @@ def left_pad(queries: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+@contextmanager
+def last_hidden_states(model: Any) -> Iterator[list[torch.Tensor]]:
+    """Collect the body's last hidden state (B, T, H) of every forward call of `model` while active.
+
+    A hook on the body, not `output_hidden_states`, which would keep every layer's."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    captured: list[torch.Tensor] = []
+    hook = lm.base_model.register_forward_hook(lambda _m, _i, out: captured.append(out.last_hidden_state))
+    try:
+        yield captured
+    finally:
+        hook.remove()
+
+
 @torch.no_grad()
 def sample_responses(
     model: Any,
@@ -82,17 +123,24 @@ def sample_responses(
     lengths: list[int],
     stop_at_eos: bool,
     device: torch.device,
+    keep_policy: bool = False,
 ) -> Rollout:
     """Sample one response of `lengths[i]` tokens per query (top_k=0, top_p=1: the policy's own distribution).
 
     With `stop_at_eos` a response ends at (and includes) its first EOS; without it EOS cannot be
     sampled before the longest drawn length, and every response is cut to its drawn length.
+    `keep_policy`: also keep the log-prob, entropy and last hidden state of each sampled token
+    (`PolicyOutputs`), read off the sampling pass itself: the logits before any processor (what
+    the sampler drew from, EOS suppression aside) and the KV-cached forward's hidden states. It
+    holds the (B, R, V) logits of the generation batch for a moment, as the forward it replaces
+    holds those of a no-grad batch.
     """
     r_len, pad = max(lengths), tokenizer.pad_token_id
     ids, mask = left_pad(queries, pad)
     q_len = ids.shape[1]
     ids, mask = ids.to(device), mask.to(device)
-    with generation_mode(model):
+    keep = last_hidden_states(model) if keep_policy else nullcontext([])
+    with generation_mode(model), keep as hidden:
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -103,8 +151,10 @@ def sample_responses(
             min_new_tokens=0 if stop_at_eos else r_len,
             pad_token_id=pad,
             eos_token_id=tokenizer.eos_token_id,
+            output_logits=keep_policy,
+            return_dict_in_generate=True,
         )
-    responses = out[:, q_len:]
+    responses = out.sequences[:, q_len:]
     if responses.shape[1] < r_len:  # every sequence hit EOS early
         fill = torch.full((len(queries), r_len - responses.shape[1]), pad, dtype=torch.long, device=device)
         responses = torch.cat([responses, fill], dim=1)
@@ -115,7 +165,26 @@ def sample_responses(
         lengths_t = torch.minimum(lengths_t, first_eos)
     response_mask = (torch.arange(r_len, device=device)[None] < lengths_t[:, None]).long()
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
-    return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len)
+    policy = _policy_outputs(out.logits, hidden, responses, response_mask) if keep_policy else None
+    return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len, policy)
+
+
+def _policy_outputs(
+    step_logits: tuple[torch.Tensor, ...], hidden: list[torch.Tensor], responses: torch.Tensor, mask: torch.Tensor
+) -> PolicyOutputs:
+    # One forward per generated token: the prefill's last position predicts the first response token,
+    # each later call the next one. Generation may stop early (every row at EOS): the rest is padding.
+    steps = len(step_logits)
+    logits = torch.stack(step_logits, 1)  # (B, steps, V)
+    h = torch.cat([x[:, -1:] for x in hidden[:steps]], 1)  # (B, steps, H)
+    pad = responses.shape[1] - steps
+    fields = [
+        logprobs_from_logits(logits, responses[:, :steps]),
+        entropy_from_logits(logits),
+    ]
+    logprobs, entropy = (torch.nn.functional.pad(f, (0, pad)) * mask for f in fields)
+    h = torch.nn.functional.pad(h, (0, 0, 0, pad)) * mask[..., None]
+    return PolicyOutputs(logprobs, entropy, h)
 
 
 def decode(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[str]]:

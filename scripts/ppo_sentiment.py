@@ -78,8 +78,18 @@ class PPOArguments:
     batch_size: int = help_field(256, "Prompts per process per PPO step.")
     mini_batch_size: int = help_field(16, "Sequences per optimizer step within a PPO epoch.")
     gradient_accumulation_steps: int = help_field(1, "Micro-batches summed into one mini-batch's update.")
-    forward_batch_size: int = help_field(16, "Sequences per no-grad forward (generation, scoring, old log-probs).")
+    forward_batch_size: int = help_field(16, "Sequences per no-grad forward (old and reference log-probs, values).")
+    generation_batch_size: int | None = help_field(
+        None,
+        "Prompts per generate call (empty: forward_batch_size). Larger is faster (each generated token costs "
+        "a fixed overhead per call) and holds a larger KV cache.",
+    )
     ppo_epochs: int = help_field(4, "Passes over each batch, in shuffled mini-batches.")
+    policy_from_generation: bool = help_field(
+        True,
+        "Read the old log-probs and values off the sampling pass instead of a second forward of the policy "
+        "(one forward of the batch fewer; equal within float rounding). Off: recompute them, as TRL 0.x does.",
+    )
     learning_rate: float = help_field(1.41e-5, "Learning rate of the LoRA weights and the value head.")
     optimizer: Literal["adamw", "adamw_8bit"] = help_field("adamw", "'adamw_8bit': bitsandbytes AdamW8bit.")
     max_grad_norm: float = help_field(0.0, "Clip the gradient norm to this (0: no clipping).")
@@ -120,6 +130,7 @@ class PPOArguments:
             "kl_horizon",
         ]:
             check(getattr(self, key) >= 1, key, ">= 1")
+        check(self.generation_batch_size is None or self.generation_batch_size >= 1, "generation_batch_size", ">= 1")
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(
             self.batch_size % self.mini_batch_size == 0,
@@ -388,8 +399,11 @@ def rollout(run: Run, step: int) -> list[Rollout]:
     run.first_prompts = run.first_prompts or idx[:4]
     low, high = run.prompt_args.response_min_tokens, run.prompt_args.response_max_tokens
     lengths = torch.randint(low, high + 1, (args.batch_size,)).tolist()
-    chunks = [slice(c, c + args.forward_batch_size) for c in range(0, args.batch_size, args.forward_batch_size)]
-    return [
+    size = args.generation_batch_size or args.forward_batch_size
+    chunks = [slice(c, c + size) for c in range(0, args.batch_size, size)]
+    # The full KL needs the policy's logits beside the reference's: those come from a forward pass.
+    keep_policy = args.policy_from_generation and args.kl_estimator != "full"
+    rollouts = [
         sample_responses(
             run.unwrapped.policy,
             run.tokenizer,
@@ -397,9 +411,11 @@ def rollout(run: Run, step: int) -> list[Rollout]:
             lengths[c],
             run.prompt_args.stop_at_eos,
             run.device,
+            keep_policy=keep_policy,
         )
         for c in chunks
     ]
+    return [part for r in rollouts for part in r.split(args.forward_batch_size)]  # no-grad pass chunks
 
 
 def score(run: Run, rollouts: list[Rollout], step: int) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
@@ -426,9 +442,9 @@ def score(run: Run, rollouts: list[Rollout], step: int) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def make_experience(run: Run, rollouts: list[Rollout], scores: torch.Tensor) -> tuple[Experience, torch.Tensor]:
-    """Phase 3: old log-probs, values and reference log-probs (adapter off) in one no-grad pass; then
-    per-token rewards, GAE and whitened advantages. Returns the experience and the KL part of the
-    reward (B, R).
+    """Phase 3: old log-probs and values (kept from sampling, or a forward of the policy) and reference
+    log-probs (adapter off) in a no-grad pass; then per-token rewards, GAE and whitened advantages.
+    Returns the experience and the KL part of the reward (B, R).
 
     In eval mode: dropout here would make the first PPO ratio differ from 1 for no reason.
     """
@@ -437,11 +453,15 @@ def make_experience(run: Run, rollouts: list[Rollout], scores: torch.Tensor) -> 
     parts = []
     for r in rollouts:
         keep = response_window(r)  # logits only where they predict the response
-        logits, values = run.unwrapped(r.input_ids, r.attention_mask, logits_to_keep=keep)
+        logits = None
+        if r.policy is not None:
+            logprobs, entropy, values = r.policy.logprobs, r.policy.entropy, run.unwrapped.values(r.policy.hidden)
+        else:
+            logits, values = run.unwrapped(r.input_ids, r.attention_mask, logits_to_keep=keep)
+            logits, values = logits[:, :-1], response_slice(values, r)  # (B, R, V), (B, R)
+            logprobs, entropy = ppo.logprobs_from_logits(logits, r.responses), ppo.entropy_from_logits(logits)
         with policy.disable_adapter():
-            ref_logits = forward(policy, r, logits_to_keep=keep).logits
-        logits, ref_logits = logits[:, :-1], ref_logits[:, :-1]  # (B, R, V)
-        logprobs = ppo.logprobs_from_logits(logits, r.responses)  # (B, R)
+            ref_logits = forward(policy, r, logits_to_keep=keep).logits[:, :-1]
         ref_logprobs = ppo.logprobs_from_logits(ref_logits, r.responses)
         parts.append(
             Experience(
@@ -449,9 +469,9 @@ def make_experience(run: Run, rollouts: list[Rollout], scores: torch.Tensor) -> 
                 attention_mask=r.attention_mask,
                 response_mask=r.response_mask.float(),
                 logprobs=logprobs,
-                values=response_slice(values, r),
+                values=values,
                 kl=ppo.kl_penalty(logprobs, ref_logprobs, args.kl_estimator, logits, ref_logits),
-                entropy=ppo.entropy_from_logits(logits),
+                entropy=entropy,
                 query_len=r.query_len,
             )
         )

@@ -67,6 +67,34 @@ def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_cache: 
 
 
 @pytest.mark.slow
+def test_speed_options_leave_the_experience_unchanged(tmp_path: Path, demo_cache: Path) -> None:
+    """Old log-probs and values read off the sampling pass, and a no-grad batch smaller than the
+    generation batch, give the experience that recomputing them in one forward of the whole batch
+    gives: the same samples (same seed and generation batch), and the first step's reward, KL,
+    entropy and value fit within float rounding.
+
+    Only the first step: the PPO update turns last-bit differences of the old log-probs into visibly
+    different weights (a 3e-6 perturbation moves the first step's mean ratio by 0.3%, whichever
+    way the old log-probs were computed), so later steps sample other tokens. What the policy learns
+    with the fast path on is checked in test_demo_learns. On an fp32 base: bitsandbytes' 8-bit matmul
+    picks its outlier columns over the whole input, so 8-bit forwards of 8 and 16 rows differ by more."""
+    base, fast = tmp_path / "recomputed", tmp_path / "fast"
+    common = [*("--quantization", "none", "--batch_size", "16", "--mini_batch_size", "8", "--steps", "1")]
+    common += ["--generation_batch_size", "16"]
+    slow_run = _ppo(base, demo_cache, *common, "--forward_batch_size", "16", "--policy_from_generation", "false")
+    assert slow_run.returncode == 0, slow_run.stderr[-2000:]
+    fast_run = _ppo(fast, demo_cache, *common, "--forward_batch_size", "8", "--policy_from_generation", "true")
+    assert fast_run.returncode == 0, fast_run.stderr[-2000:]
+    (a,), (b,) = read_jsonl(base / "metrics.jsonl"), read_jsonl(fast / "metrics.jsonl")
+    for key in ["env/reward_mean", "env/reward_std", "env/response_length"]:
+        assert b[key] == a[key], key  # the very same samples
+    assert a["objective/kl"] == 0.0  # a fresh adapter (B = 0): the policy is the reference, bit for bit
+    assert abs(b["objective/kl"]) < 1e-3  # nats per response, summed over its tokens
+    for key in ["objective/entropy", "objective/non_score_reward", "ppo/explained_variance"]:
+        assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-4), key
+
+
+@pytest.mark.slow
 def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo_cache: Path) -> None:
     out = tmp_path / "ddp"
     result = _ppo(out, demo_cache, *SMALL, "--steps", "2", launcher=accelerate_launch(2))

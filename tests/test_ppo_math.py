@@ -117,6 +117,24 @@ def test_entropy_and_logprobs() -> None:
     assert_close(ppo.logprobs_from_logits(logits, t([[2]])), t([[-math.log(4)]]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_without_a_full_log_softmax_match_it(dtype: torch.dtype) -> None:
+    # logit(token) - logsumexp, a sequence at a time, against log_softmax + gather on the whole batch:
+    # the same values and the same gradient, in fp32 and from half-precision logits.
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 50, generator=gen) * 4).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 50, (3, 5), generator=gen)
+    ours = ppo.logprobs_from_logits(logits, tokens)
+    (grad,) = torch.autograd.grad(ours.sum(), logits)
+    reference = torch.log_softmax(logits.float(), -1).gather(2, tokens[..., None]).squeeze(-1)
+    (ref_grad,) = torch.autograd.grad(reference.sum(), logits)
+    assert ours.dtype == torch.float32
+    assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert_close(grad, ref_grad)
+    p = torch.softmax(logits.detach().float(), -1)
+    assert_close(ppo.entropy_from_logits(logits.detach()), -(p * p.log()).sum(-1))
+
+
 def test_explained_variance() -> None:
     returns, mask = t([[1.0, 2, 3, 4]]), torch.ones(1, 4)
     assert ppo.explained_variance(returns, returns, mask) == pytest.approx(1.0)

@@ -39,9 +39,9 @@ class ScriptedModel(nn.Module):
         self.responses = torch.tensor(responses)
         self.calls: list[dict] = []
 
-    def generate(self, input_ids: torch.Tensor, **kw: object) -> torch.Tensor:
+    def generate(self, input_ids: torch.Tensor, **kw: object) -> SimpleNamespace:
         self.calls.append(kw)
-        return torch.cat([input_ids, self.responses], 1)
+        return SimpleNamespace(sequences=torch.cat([input_ids, self.responses], 1), logits=None)
 
 
 TOKENIZER = SimpleNamespace(pad_token_id=PAD, eos_token_id=EOS)
@@ -165,3 +165,37 @@ def test_policy_and_value_keeps_only_the_response_logits_and_the_last_hidden_sta
         rtol=0,
         atol=1e-5,
     )
+
+
+@pytest.mark.parametrize("make", [tiny_neox, _tiny_llama], ids=["gpt_neox", "llama"])
+@pytest.mark.parametrize("stop_at_eos", [False, True], ids=["fixed", "eos"])
+def test_policy_outputs_kept_from_sampling_equal_a_forward_pass(make, stop_at_eos: bool) -> None:
+    """What `keep_policy` reads off the KV-cached sampling pass is what a forward of the whole batch
+    gives: log-probs, entropies and values, left padding and early ends included."""
+    from peft import LoraConfig, get_peft_model
+
+    from fitrl import ppo
+    from fitrl.modeling import PolicyAndValue
+    from fitrl.rollout import response_window
+
+    lm = make()
+    policy = get_peft_model(lm, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    model = PolicyAndValue(policy, lm.config.hidden_size).eval()
+    torch.manual_seed(2)
+    queries, lengths = [[5, 6, 7, 8], [9, 10], [11]], [6, 3, 5]
+    r = sample_responses(policy, TOKENIZER, queries, lengths, stop_at_eos, torch.device("cpu"), keep_policy=True)
+    with torch.no_grad():
+        logits, values = model(r.input_ids, r.attention_mask, logits_to_keep=response_window(r))
+        kept_values = model.values(r.policy.hidden)
+    logits, mask = logits[:, :-1], r.response_mask.float()
+    expected = [
+        ppo.logprobs_from_logits(logits, r.responses),
+        ppo.entropy_from_logits(logits),
+        values[:, r.query_len - 1 : -1],
+    ]
+    for kept, full in zip([r.policy.logprobs, r.policy.entropy, kept_values], expected):
+        torch.testing.assert_close(kept * mask, full * mask, rtol=0, atol=1e-5)
+    assert (r.policy.logprobs * (1 - mask) == 0).all(), "nothing kept past a response's end"
+    parts = r.split(2)
+    assert [len(p.input_ids) for p in parts] == [2, 1]
+    torch.testing.assert_close(torch.cat([p.policy.hidden for p in parts]), r.policy.hidden, rtol=0, atol=0)
