@@ -114,6 +114,9 @@ SMOKE = [
     "--num_samples_to_show",
     "2",
 ]
+# The smoke run's model settings, which its resume and its repeat must share: an 8-bit base (the demo
+# profile's is unquantized) and a KL term to the adapter-off reference.
+SMOKE_MODEL = ["--quantization", "8bit", "--beta", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +131,7 @@ def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Pa
         demo_cache,
         "--output_dir",
         out,
-        "--beta",
-        "0.1",
+        *SMOKE_MODEL,
         "--save_steps",
         "2",
         *SMOKE,
@@ -187,8 +189,7 @@ def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_cache: Path, tmp_
         demo_cache,
         "--output_dir",
         out,
-        "--beta",
-        "0.1",
+        *SMOKE_MODEL,
         "--resume_from_checkpoint",
         checkpoint,
         *SMOKE[:-2],
@@ -381,8 +382,7 @@ def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_
         demo_cache,
         "--output_dir",
         again,
-        "--beta",
-        "0.1",
+        *SMOKE_MODEL,
         *SMOKE,
     )
     assert result.returncode == 0, result.stderr[-4000:]
