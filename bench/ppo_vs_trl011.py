@@ -2,7 +2,8 @@
 
     make bench-peer-env                 # once: TRL 0.11.4 + transformers 4.47 into .venv-trl011
     python bench/ppo_vs_trl011.py       # fp32 and 8-bit base, 2 runs of each side, in turn (A B A B)
-    python bench/ppo_vs_trl011.py --quantization 8bit --runs 3 --steps 10 --json bench/results/ppo_vs_trl011.json
+    python bench/ppo_vs_trl011.py --quantization 8bit --runs 3 --steps 10 --json bench/results/ppo_vs_trl011_cpu.json
+    python bench/ppo_vs_trl011.py --policy_from_generation false   # flags it does not know go to fitrl's script
 
 Both sides train the same model (a seeded random GPT-NeoX, 6 layers x 512, about 20M parameters, the
 demo tokenizer) with LoRA r=16 on `query_key_value`, on 6-token prefixes of the demo reviews, 12
