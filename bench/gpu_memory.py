@@ -55,6 +55,7 @@ def workloads(tiny: bool) -> dict[str, Workload]:
     }
 
 
+STAGES = ("sft", "ppo", "grpo")
 GPU_ROWS = [  # (model, stage, quantization, optimizer)
     ("Qwen/Qwen2.5-0.5B", "sft", "none", "adamw_8bit"),
     ("Qwen/Qwen2.5-0.5B", "ppo", "8bit", "adamw_8bit"),
@@ -130,10 +131,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiny", action="store_true", help="Tiny models and lengths: the CPU check of this script.")
     parser.add_argument("--stages", default="sft,ppo,grpo", help="Comma-separated stages whose rows to run.")
     args = parser.parse_args(argv)
+    stages = args.stages.split(",")
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:  # a typo would otherwise run nothing and write an empty file
+        parser.error(f"unknown stage(s) {', '.join(unknown)} in --stages; choose from {','.join(STAGES)}")
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     shapes = workloads(args.tiny)
     rows_spec = [("tiny-llama", s, q, o) for _, s, q, o in GPU_ROWS[:3]] if args.tiny else GPU_ROWS
-    rows_spec = [row for row in rows_spec if row[1] in args.stages.split(",")]
+    rows_spec = [row for row in rows_spec if row[1] in stages]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, stage, quantization, optimizer in rows_spec:

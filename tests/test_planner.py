@@ -308,6 +308,19 @@ def test_gpu_memory_bench_runs_on_cpu_with_tiny_models(tmp_path: Path) -> None:
             assert abs(row["planned_phase_mb"][phase] / measured - 1) < 0.03, (row["stage"], phase, row)
 
 
+def test_gpu_memory_bench_refuses_an_unknown_stage(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    script = str(CONFIGS.parent / "bench" / "gpu_memory.py")
+    cmd = [sys.executable, script, "--tiny", "--device", "cpu", "--stages", "sft,pop", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert "unknown stage(s) pop in --stages; choose from sft,ppo,grpo" in result.stderr
+    assert not out.exists()
+
+
 def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
     import importlib.util
 
