@@ -237,29 +237,51 @@ def _tokens(rows: int, length: int, device: Any, vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (rows, length), device=device)
 
 
-@torch.no_grad()
-def generation(model: nn.Module, w: Workload, device: Any, vocab: int, new_tokens: int | None = None) -> None:
-    """Prefill `gen_batch` prompts, then decode with the KV cache, as `generate` does (last-token logits only)."""
+def _prefill(policy: nn.Module, rows: int, length: int, device: Any, vocab: int) -> tuple[Any, torch.Tensor, Any]:
     from transformers import DynamicCache
 
-    policy = _policy(model)
-    policy.eval()
-    rows, steps = w.gen_batch, w.completion_len if new_tokens is None else new_tokens
-    ids = _tokens(rows, w.prompt_len, device, vocab)
+    ids = _tokens(rows, length, device, vocab)
     mask = torch.ones_like(ids)
     cache = DynamicCache(config=policy.config)
     out = policy(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
-    for _ in range(steps):
-        scores = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
-        next_ids = scores.softmax(-1).argmax(-1, keepdim=True)
-        mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
-        out = policy(
-            input_ids=next_ids,
-            attention_mask=mask,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    return out, mask, cache
+
+
+def _decode_step(policy: nn.Module, out: Any, mask: torch.Tensor, cache: Any) -> tuple[Any, torch.Tensor]:
+    scores = out.logits[:, -1, :].to(dtype=torch.float32, copy=True)
+    next_ids = scores.softmax(-1).argmax(-1, keepdim=True)
+    mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
+    out = policy(input_ids=next_ids, attention_mask=mask, cache=cache, use_cache=True, logits_to_keep=1)
+    return out, mask
+
+
+@torch.no_grad()
+def generation(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
+    """Prefill `gen_batch` prompts, then decode with the KV cache, as `generate` does (last-token logits only)."""
+    policy = _policy(model)
+    policy.eval()
+    out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len, device, vocab)
+    for _ in range(w.completion_len):
+        out, mask = _decode_step(policy, out, mask, cache)
+    del out, cache
+
+
+@torch.no_grad()
+def generation_peak(model: nn.Module, w: Workload, device: Any, vocab: int, tracker: LiveTensorBytes) -> None:
+    """The peak of `generation` in the tracker's "generation" phase, from the prefill and the last decode step.
+
+    A decode step never needs less than the one before (its KV cache and the attention over it only
+    grow), so the last one, run on a cache prefilled to full length outside the phase, is the decode
+    steps' peak: two forwards and one step instead of `completion_len` steps.
+    """
+    policy = _policy(model)
+    policy.eval()
+    with tracker.phase("generation"):
+        out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len, device, vocab)
+    del out, mask, cache
+    out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len + w.completion_len - 1, device, vocab)
+    with tracker.phase("generation"):
+        out, mask = _decode_step(policy, out, mask, cache)
     del out, cache
 
 
@@ -321,19 +343,22 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
 
 
 def trace_step(
-    model: nn.Module, w: Workload, device: Any, micro_steps: int = 2, new_tokens: int | None = None
+    model: nn.Module, w: Workload, device: Any, micro_steps: int = 2, every_decode_step: bool = True
 ) -> dict[str, int]:
     """Peak live bytes per phase of one stage step, beyond the tensors that exist before it (the weights).
 
     The training phase runs `micro_steps` accumulating micro-steps, so its peak includes gradients
-    held from the one before, as under gradient accumulation. `new_tokens` shortens the generation.
+    held from the one before, as under gradient accumulation. `every_decode_step=False` takes the
+    generation's peak from its prefill and last step (`generation_peak`: the same bytes, far fewer ops).
     """
     vocab = _policy(model).config.vocab_size
     tracker = LiveTensorBytes()
     with meta_patches(device), tracker:
-        if w.gen_batch:
+        if w.gen_batch and every_decode_step:
             with tracker.phase("generation"):
-                generation(model, w, device, vocab, new_tokens)
+                generation(model, w, device, vocab)
+        elif w.gen_batch:
+            generation_peak(model, w, device, vocab, tracker)
         if w.stage == "ppo" and w.nograd_batch:
             with tracker.phase("no-grad pass"):
                 nograd_pass(model, w, device, vocab)

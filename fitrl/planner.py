@@ -11,8 +11,8 @@ The plan has two kinds of parts:
 - **what a step allocates, per phase** (generation with its KV cache, the no-grad passes, the
   training micro-step with its activations, logits and log-prob buffers and their fp32 upcasts):
   `fitrl.memtrace` runs the stage's step on two- and three-block versions of the architecture on
-  `meta`, and the plan extrapolates linearly in depth (every block after the first adds the same bytes) and, for
-  generation, in the number of generated tokens (the KV cache grows by the same bytes per token).
+  `meta`, and the plan extrapolates linearly in depth (every block after the first adds the same bytes).
+  Generation is traced as its prefill and its last decode step, on a KV cache filled to full length.
   No formula per model family to drift with each transformers release: the trace sees the real
   attention, norms, LoRA wrapping, loss and fused heads.
 
@@ -198,10 +198,10 @@ def reward_model_bytes(name_or_path: str | None, demo_cache_dir: str | None = No
 
 
 @functools.lru_cache(maxsize=256)
-def _traced(config_json: str, w: Workload, num_layers: int, new_tokens: int | None) -> tuple[tuple[str, int], ...]:
+def _traced(config_json: str, w: Workload, num_layers: int) -> tuple[tuple[str, int], ...]:
     config = _config_from_json(config_json)
     model = build(config, w, "meta", num_layers=num_layers)
-    return tuple(trace_step(model, w, "meta", new_tokens=new_tokens).items())
+    return tuple(trace_step(model, w, "meta", every_decode_step=False).items())
 
 
 def _config_from_json(config_json: str) -> Any:
@@ -215,35 +215,19 @@ def _config_json(config: Any) -> str:
     return json.dumps(config.to_dict(), sort_keys=True, default=str)
 
 
-# Generated tokens of the two generations the plan extrapolates from; a completion no longer than the
-# second is traced at its own length. Long enough that the peak is at the end, not in the prefill.
-GEN_TOKENS = (16, 32)
-
-
 # Depths the plan traces and extrapolates from. Not 1 and 2: the first block's peak can differ from
 # the others' (its input is the embedding output), and a no-grad pass stops growing after two blocks.
 DEPTHS = (2, 3)
 
 
-def _at_depth(key: str, w: Workload, layers: int, new_tokens: int) -> dict[str, float]:
-    """Each phase's bytes at the model's depth: traced there if shallow, else extrapolated linearly."""
-    if layers <= DEPTHS[1]:
-        return dict(_traced(key, w, layers, new_tokens))
-    low, high = dict(_traced(key, w, DEPTHS[0], new_tokens)), dict(_traced(key, w, DEPTHS[1], new_tokens))
-    return {phase: low[phase] + (layers - DEPTHS[0]) * (high[phase] - low[phase]) for phase in low}
-
-
 def dynamic_bytes(config: Any, w: Workload) -> dict[str, int]:
-    """Peak bytes each phase allocates beyond the static parts, extrapolated from two- and three-block traces."""
+    """Peak bytes each phase allocates beyond the static parts: traced at the model's depth if shallow,
+    else extrapolated linearly from two- and three-block traces."""
     layers, key = config.num_hidden_layers, _config_json(config)
-    if w.completion_len <= GEN_TOKENS[1]:
-        return {k: int(v) for k, v in _at_depth(key, w, layers, w.completion_len).items()}
-    phases = _at_depth(key, w, layers, GEN_TOKENS[0])
-    if w.gen_batch:  # the KV cache grows by the same bytes with every generated token
-        longer = _at_depth(key, w, layers, GEN_TOKENS[1])["generation"]
-        per_token = (longer - phases["generation"]) / (GEN_TOKENS[1] - GEN_TOKENS[0])
-        phases["generation"] += (w.completion_len - GEN_TOKENS[0]) * per_token
-    return {k: int(v) for k, v in phases.items()}
+    if layers <= DEPTHS[1]:
+        return dict(_traced(key, w, layers))
+    low, high = dict(_traced(key, w, DEPTHS[0])), dict(_traced(key, w, DEPTHS[1]))
+    return {phase: int(low[phase] + (layers - DEPTHS[0]) * (high[phase] - low[phase])) for phase in low}
 
 
 def kv_cache_bytes(config: Any, w: Workload) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,6 +189,19 @@ def test_depth_extrapolation_agrees_with_the_full_depth_trace() -> None:
     traced = planner.trace_full_depth(config, w)
     for phase, bytes_ in traced.items():
         assert abs(plan.phase_bytes[phase] / bytes_ - 1) < 0.10, phase
+
+
+@pytest.mark.parametrize("kind", ["llama", "neox"])
+def test_generation_peak_from_the_last_decode_step_equals_every_step_traced(kind: str) -> None:
+    # A batch and a completion long enough that the last decode step, not the prefill, holds the peak.
+    config = tiny_config(kind, layers=4)
+    w = replace(WORKLOADS["ppo"], completion_len=40, gen_batch=64)
+    every_step = trace_step(build(config, w, "meta"), w, "meta")
+    one_token = trace_step(build(config, w, "meta"), replace(w, completion_len=1), "meta")
+    assert every_step["generation"] > 1.2 * one_token["generation"]
+    planned = planner.dynamic_bytes(config, w)  # two- and three-block traces, prefill and last step
+    assert planned["generation"] == every_step["generation"]
+    assert set(planned) == set(every_step)
 
 
 def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
