@@ -10,6 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+# The format's tags. A large vocabulary spells each in a few tokens; the demo's 1024-token BPE took six
+# or seven, so its reasoner has them as one token each (`fitrl.demo.models.build_reasoner`).
+FORMAT_TAGS = ("<reasoning>", "</reasoning>", "<answer>", "</answer>")
+
 SYSTEM_PROMPT = "Respond in the following format:\n<reasoning>\n...\n</reasoning>\n<answer>\n...\n</answer>"
 
 # For tokenizers without a chat template (base models such as gpt-neox, the demo's tiny model): the

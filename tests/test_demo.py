@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fitrl import demo
+from fitrl.answer_format import FORMAT_TAGS, format_solution
 from fitrl.demo.corpus import opinion_polarity
 from fitrl.outputs import read_jsonl
 from fitrl.sentiment import corpus_vocabulary, corpus_word_share
@@ -55,6 +56,20 @@ def test_arithmetic_set_is_gsm8k_shaped_and_correct(demo_root: Path) -> None:
             r for r in rows if r["answer"].count("<<") == 1 and max(map(int, re.findall(r"\d+", r["answer"]))) <= 10
         ]
         assert 0.35 < len(easy) / len(rows) < 0.65
+
+
+def test_reasoner_spells_each_format_tag_as_one_token_and_decodes_it_back(demo_root: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, lm_tok = AutoTokenizer.from_pretrained(demo_root / "reasoner"), AutoTokenizer.from_pretrained(demo_root / "lm")
+    for tag in FORMAT_TAGS:
+        assert len(tok(tag, add_special_tokens=False).input_ids) == 1, tag
+        assert len(lm_tok(tag, add_special_tokens=False).input_ids) >= 6, tag  # the LM's own BPE
+    solution = format_solution("Zoe has 16 - 3 = <<16-3=13>>13 pencils left.\n#### 13")
+    ids = tok(solution, add_special_tokens=False).input_ids
+    assert len(ids) < len(lm_tok(solution, add_special_tokens=False).input_ids) / 2
+    assert tok.decode(ids, skip_special_tokens=True) == solution  # the rewards read the decoded text
+    assert AutoConfig.from_pretrained(demo_root / "reasoner").vocab_size == len(tok)
 
 
 def test_classifier_reaches_accuracy_bar_on_held_out_reviews(demo_root: Path) -> None:

@@ -137,15 +137,16 @@ def test_grpo_raises_accuracy_in_training_and_on_held_out_problems(demo_run: Pat
     accuracy = [r["rewards/accuracy_reward/mean"] for r in rows]
     first, last = sum(accuracy[:k]) / k, sum(accuracy[-k:]) / k
     # A fifth of the run is 24 steps x 64 completions: the standard error of the difference of the two
-    # fifths' mean accuracy rewards (0 or 2 per completion) is about 0.04. The shipped seed: 0.21 -> 0.48.
+    # fifths' mean accuracy rewards (0 or 2 per completion) is about 0.04. The shipped seed: 0.40 -> 0.66.
     assert last > first + 0.15, f"accuracy reward {first:.3f} -> {last:.3f}"
 
     summary = json.loads((demo_run / "eval_gsm8k" / "summary.json").read_text())
     before = summary["without_adapter"]
     # Greedy accuracy on the 300 held-out problems, GRPO adapter vs the same model with it off. The
-    # shipped seed gives 17.7% -> 26.7%. Even if a quarter of the problems changed verdict, the paired
-    # difference would have a standard error under 3 points: 5 points is no accident. (Issue 14 asks
-    # for 10: not reached yet.) The reasoner starts able to solve some problems.
-    assert summary["accuracy"] >= before["accuracy"] + 0.05, (summary["accuracy"], before["accuracy"])
+    # shipped seed gives 22.0% -> 34.7% (seeds 1 and 2: +13.7 and +15.7 points). Even if a quarter of the
+    # problems changed verdict, the paired difference would have a standard error under 3 points: the
+    # issue's 10 points, 2.7 under the shipped seed's gain, is no accident. The reasoner starts able to
+    # solve some problems.
+    assert summary["accuracy"] >= before["accuracy"] + 0.10, (summary["accuracy"], before["accuracy"])
     assert before["accuracy"] > 0.1
     assert summary["format_compliance"] >= before["format_compliance"]

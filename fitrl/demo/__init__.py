@@ -7,7 +7,7 @@
   in `#### <number>`);
 - `lm/`: a tiny GPT-NeoX (the gpt-neox-20b family) with a byte-level BPE tokenizer trained on those texts;
 - `reasoner/`: that LM after an SFT on worked arithmetic in GRPO's `<reasoning>`/`<answer>`
-  format, with a plain chat template: the GRPO demo's starting point;
+  format, with a plain chat template and the format's tags as tokens: the GRPO demo's starting point;
 - `classifier/`: a tiny DistilBERT sentiment classifier with its own WordPiece tokenizer, trained on
   the reviews: the demo's reward model (labels NEGATIVE / POSITIVE, like lvwerra/distilbert-imdb).
 
@@ -28,7 +28,7 @@ from fitrl.config import UsageError, help_field
 from fitrl.demo.corpus import N_PROBLEMS, N_REVIEWS, make_problems, make_reviews
 from fitrl.outputs import write_jsonl
 
-VERSION = 3
+VERSION = 4
 DEFAULT_SEED = 1234
 DEFAULT_CACHE_DIR = "~/.cache/fitrl/demo"
 SCHEME = "demo://"
