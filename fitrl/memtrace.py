@@ -279,10 +279,11 @@ def generation_peak(model: nn.Module, w: Workload, device: Any, vocab: int, trac
     with tracker.phase("generation"):
         out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len, device, vocab)
     del out, mask, cache
-    out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len + w.completion_len - 1, device, vocab)
-    with tracker.phase("generation"):
-        out, mask = _decode_step(policy, out, mask, cache)
-    del out, cache
+    if w.completion_len:
+        out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len + w.completion_len - 1, device, vocab)
+        with tracker.phase("generation"):
+            out, mask = _decode_step(policy, out, mask, cache)
+        del out, cache
 
 
 @torch.no_grad()
