@@ -266,22 +266,28 @@ def generation(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
     del out, cache
 
 
+# The generation's two parts as `generation_peak` traces them: either can hold the peak, and which one
+# does can change with depth, so the planner extrapolates each in depth before taking the larger.
+PREFILL, LAST_DECODE_STEP = "generation: prefill", "generation: last decode step"
+
+
 @torch.no_grad()
 def generation_peak(model: nn.Module, w: Workload, device: Any, vocab: int, tracker: LiveTensorBytes) -> None:
-    """The peak of `generation` in the tracker's "generation" phase, from the prefill and the last decode step.
+    """The peaks of `generation`'s prefill and of its last decode step, as the tracker's phases
+    `PREFILL` and `LAST_DECODE_STEP`.
 
     A decode step never needs less than the one before (its KV cache and the attention over it only
-    grow), so the last one, run on a cache prefilled to full length outside the phase, is the decode
+    grow), so the last one, run on a cache prefilled to full length outside the phases, is the decode
     steps' peak: two forwards and one step instead of `completion_len` steps.
     """
     policy = _policy(model)
     policy.eval()
-    with tracker.phase("generation"):
+    with tracker.phase(PREFILL):
         out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len, device, vocab)
     del out, mask, cache
     if w.completion_len:
         out, mask, cache = _prefill(policy, w.gen_batch, w.prompt_len + w.completion_len - 1, device, vocab)
-        with tracker.phase("generation"):
+        with tracker.phase(LAST_DECODE_STEP):
             out, mask = _decode_step(policy, out, mask, cache)
         del out, cache
 
@@ -349,8 +355,8 @@ def trace_step(
     """Peak live bytes per phase of one stage step, beyond the tensors that exist before it (the weights).
 
     The training phase runs `micro_steps` accumulating micro-steps, so its peak includes gradients
-    held from the one before, as under gradient accumulation. `every_decode_step=False` takes the
-    generation's peak from its prefill and last step (`generation_peak`: the same bytes, far fewer ops).
+    held from the one before, as under gradient accumulation. `every_decode_step=False` traces the
+    generation as its prefill and its last step apart (`generation_peak`: far fewer ops).
     """
     vocab = _policy(model).config.vocab_size
     tracker = LiveTensorBytes()

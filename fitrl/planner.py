@@ -12,7 +12,8 @@ The plan has two kinds of parts:
   training micro-step with its activations, logits and log-prob buffers and their fp32 upcasts):
   `fitrl.memtrace` runs the stage's step on two- and three-block versions of the architecture on
   `meta`, and the plan extrapolates linearly in depth (every block after the first adds the same bytes).
-  Generation is traced as its prefill and its last decode step, on a KV cache filled to full length.
+  Generation is traced as its prefill and its last decode step (on a KV cache filled to full length),
+  each extrapolated in depth before taking the larger.
   No formula per model family to drift with each transformers release: the trace sees the real
   attention, norms, LoRA wrapping, loss and fused heads.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.config import UsageError, first_line
-from fitrl.memtrace import TORCH_DTYPES, Workload, build, trace_step
+from fitrl.memtrace import LAST_DECODE_STEP, PREFILL, TORCH_DTYPES, Workload, build, trace_step
 from fitrl.modeling import DEFAULT_LORA_TARGETS, GRPO_LORA_TARGETS
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
@@ -225,9 +226,13 @@ def dynamic_bytes(config: Any, w: Workload) -> dict[str, int]:
     else extrapolated linearly from two- and three-block traces."""
     layers, key = config.num_hidden_layers, _config_json(config)
     if layers <= DEPTHS[1]:
-        return dict(_traced(key, w, layers))
-    low, high = dict(_traced(key, w, DEPTHS[0])), dict(_traced(key, w, DEPTHS[1]))
-    return {phase: int(low[phase] + (layers - DEPTHS[0]) * (high[phase] - low[phase])) for phase in low}
+        phases = dict(_traced(key, w, layers))
+    else:
+        low, high = dict(_traced(key, w, DEPTHS[0])), dict(_traced(key, w, DEPTHS[1]))
+        phases = {phase: int(low[phase] + (layers - DEPTHS[0]) * (high[phase] - low[phase])) for phase in low}
+    if PREFILL in phases:
+        phases["generation"] = max(phases.pop(PREFILL), phases.pop(LAST_DECODE_STEP, 0))
+    return phases
 
 
 def kv_cache_bytes(config: Any, w: Workload) -> int:

@@ -191,15 +191,19 @@ def test_depth_extrapolation_agrees_with_the_full_depth_trace() -> None:
         assert abs(plan.phase_bytes[phase] / bytes_ - 1) < 0.10, phase
 
 
-@pytest.mark.parametrize("kind", ["llama", "neox"])
-def test_generation_peak_from_the_last_decode_step_equals_every_step_traced(kind: str) -> None:
-    # A batch and a completion long enough that the last decode step, not the prefill, holds the peak.
-    config = tiny_config(kind, layers=4)
-    w = replace(WORKLOADS["ppo"], completion_len=40, gen_batch=64)
+@pytest.mark.parametrize(
+    ("kind", "completion_len", "gen_batch"),
+    # the last decode step holds the peak at every depth; only from the third block on (llama 24/16,
+    # neox 12/32: extrapolating the larger of the two parts from two and three blocks was 28% / 21% low)
+    [("llama", 40, 64), ("neox", 40, 64), ("llama", 24, 16), ("neox", 12, 32)],
+)
+def test_generation_peak_from_prefill_and_last_decode_step_equals_every_step_traced(
+    kind: str, completion_len: int, gen_batch: int
+) -> None:
+    config = tiny_config(kind, layers=6)
+    w = replace(WORKLOADS["ppo"], completion_len=completion_len, gen_batch=gen_batch)
     every_step = trace_step(build(config, w, "meta"), w, "meta")
-    one_token = trace_step(build(config, w, "meta"), replace(w, completion_len=1), "meta")
-    assert every_step["generation"] > 1.2 * one_token["generation"]
-    planned = planner.dynamic_bytes(config, w)  # two- and three-block traces, prefill and last step
+    planned = planner.dynamic_bytes(config, w)  # two- and three-block traces, prefill and last step apart
     assert planned["generation"] == every_step["generation"]
     assert set(planned) == set(every_step)
 
