@@ -37,7 +37,7 @@ from torch import nn
 
 from fitrl import ppo
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors
-from fitrl.modeling import PolicyAndValue
+from fitrl.modeling import PolicyAndValue, unloaded_bitsandbytes_hidden
 from fitrl.rollout import position_ids
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,7 +147,6 @@ def build(
     `base`: a model loaded for real (`fitrl.modeling.load_causal_lm`, bitsandbytes layers and all) to
     wrap instead of building one from `config`.
     """
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     if num_layers is not None:
@@ -172,7 +171,10 @@ def build(
         add_fused_lm_head(model, temperature=w.temperature, outputs=FUSED_HEAD_OUTPUTS[w.stage])
     if w.finetuning == "lora":
         targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
-        model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
+        with unloaded_bitsandbytes_hidden():
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
     if w.value_head:
         model = PolicyAndValue(model, config.hidden_size)
         model.value_head.to(device)

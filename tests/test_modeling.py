@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,30 @@ def test_model_paths_are_checked(tmp_path: Path, demo_cache: Path) -> None:
 def test_uncached_hub_model_offline_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="cannot load model"):
         load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model"), demo_cache_dir=str(tmp_path))
+
+
+def test_lora_on_a_full_precision_model_leaves_bitsandbytes_unloaded_and_an_8bit_model_after_it_works(
+    demo_cache: Path,
+) -> None:
+    """peft would import bitsandbytes (2 s, 44 MB) for any model; fitrl keeps it out until a model needs it,
+    and the same process can then still put LoRA on an 8-bit model. A fresh interpreter: pytest's has it."""
+    code = f"""
+import sys
+from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
+from fitrl import memtrace, planner
+lora = LoraArguments(lora_r=4, lora_alpha=8)
+def model(quantization):
+    args = ModelArguments(model_name_or_path="demo://lm", quantization=quantization, dtype="float32")
+    return load_causal_lm(args, demo_cache_dir={str(demo_cache)!r}, for_training=True)
+add_lora(model("none"), lora)
+assert "bitsandbytes" not in sys.modules, "bitsandbytes was imported for an fp32 model"
+import bitsandbytes as bnb
+from peft.tuners.lora.bnb import Linear8bitLt
+wrapped = add_lora(model("8bit"), lora)
+layers = [m for m in wrapped.modules() if isinstance(m, Linear8bitLt)]
+assert layers and isinstance(layers[0].get_base_layer(), bnb.nn.Linear8bitLt), "no bitsandbytes LoRA layer"
+print("ok")
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
