@@ -14,6 +14,7 @@ import torch
 
 from fitrl.config import UsageError
 from fitrl.modeling import (
+    FrozenInt8Product,
     LoraArguments,
     ModelArguments,
     add_lora,
@@ -161,3 +162,20 @@ def test_8bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training(demo_cac
         in_eval = model.eval()(input_ids=x).logits
         in_training = model.train()(input_ids=x).logits  # the demo LM has no dropout
     assert torch.equal(in_eval, in_training)
+
+
+def test_frozen_int8_product_is_bitsandbytes_training_product_keeping_only_the_int8_weight() -> None:
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear8bitLt(64, 96, has_fp16_weights=False)
+    layer.load_state_dict(torch.nn.Linear(64, 96).state_dict())
+    layer = layer.to("cpu").train().requires_grad_(False)
+    x = torch.randn(3, 5, 64, requires_grad=True)
+    theirs = layer(x)  # bitsandbytes' training product on a CPU (and it moves the int8 weight to its state)
+    (grad_theirs,) = torch.autograd.grad(theirs.square().sum(), x)
+    ours = FrozenInt8Product.apply(x, layer.state.CB, layer.state.SCB, layer.bias)
+    (grad_ours,) = torch.autograd.grad(ours.square().sum(), x)
+    assert torch.equal(ours, theirs) and torch.equal(grad_ours, grad_theirs)
+    saved = FrozenInt8Product.apply(x, layer.state.CB, layer.state.SCB, layer.bias).grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.int8, torch.float32] and saved[1].shape == (96,), "it keeps x"
