@@ -85,7 +85,9 @@ def run_row(config, name: str, w: Workload, device: str, workdir: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     started = time.perf_counter()
-    plan = planner.plan(config, w, on_gpu=device.startswith("cuda"))
+    on_gpu = device.startswith("cuda")
+    w = dataclasses.replace(w, int8_keeps_input=on_gpu)  # on a CPU fitrl's own 8-bit product runs, which keeps no input
+    plan = planner.plan(config, w, on_gpu=on_gpu)
     path = workdir / name.replace("/", "--")
     if not path.exists():  # random weights in the compute dtype, saved once per model
         with torch.device("cpu"):

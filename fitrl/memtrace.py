@@ -65,6 +65,8 @@ class Workload:
     reference_pass: bool = False  # log-probs with the adapter off
     value_head: bool = False  # PPO's value head on the last hidden state
     temperature: float = 1.0
+    # bitsandbytes' 8-bit product keeps its input for backward; fitrl's on a CPU keeps none (FrozenInt8Product)
+    int8_keeps_input: bool = True
 
     @property
     def seq_len(self) -> int:
@@ -159,7 +161,7 @@ def build(
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
         model.config.pad_token_id = model.config.pad_token_id or 0
         if w.quantized:
-            _stand_in_kbit(model, dtype, keeps_input=w.quantization == "8bit")
+            _stand_in_kbit(model, dtype, keeps_input=w.quantization == "8bit" and w.int8_keeps_input)
     if w.gradient_checkpointing and base is None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if not w.quantized and w.finetuning == "lora":

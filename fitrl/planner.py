@@ -413,6 +413,7 @@ def workload(
         "lora_r": settings.get("lora_r", 16),
         "lora_targets": tuple(targets),
         "gradient_checkpointing": bool(settings.get("gradient_checkpointing", False)),
+        "int8_keeps_input": on_gpu,
     }
     if stage == "sft":
         return Workload(
