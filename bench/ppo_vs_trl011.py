@@ -63,11 +63,9 @@ def build_model(path: Path, demo: Path, seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_fitrl(args: argparse.Namespace, model: Path, quantization: str, work: Path) -> dict:
-    out = work / "fitrl"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "ppo_sentiment.py"),
+def fitrl_argv(args: argparse.Namespace, model: Path, quantization: str, work: Path) -> list[str]:
+    """`ppo_sentiment.py`'s arguments for the benchmark's settings, writing to `work/fitrl`."""
+    return [
         *("--model_name_or_path", str(model), "--quantization", quantization, "--dtype", "float32"),
         *("--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05"),
         *("--lora_target_modules", "query_key_value"),
@@ -78,9 +76,14 @@ def run_fitrl(args: argparse.Namespace, model: Path, quantization: str, work: Pa
         *("--mini_batch_size", str(args.mini_batch_size), "--ppo_epochs", str(args.ppo_epochs)),
         *("--forward_batch_size", str(args.mini_batch_size), "--generation_batch_size", str(gen_batch(args))),
         *("--learning_rate", "1.41e-5", "--seed", str(args.seed)),
-        *("--output_dir", str(out), "--overwrite_output_dir", "true", "--report_to", "none", "--save_steps", "0"),
-        *args.fitrl_args,
+        *("--output_dir", str(work / "fitrl"), "--overwrite_output_dir", "true", "--report_to", "none"),
+        *("--save_steps", "0", *args.fitrl_args),
     ]
+
+
+def run_fitrl(args: argparse.Namespace, model: Path, quantization: str, work: Path) -> dict:
+    out = work / "fitrl"
+    cmd = [sys.executable, str(ROOT / "scripts" / "ppo_sentiment.py"), *fitrl_argv(args, model, quantization, work)]
     run_quietly(cmd, args.threads)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     memory = json.loads((out / "run_info.json").read_text())["memory"]
