@@ -177,7 +177,8 @@ def _int8_layers_on_cpu(model: nn.Module) -> None:
     import bitsandbytes as bnb
 
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear8bitLt) and module.weight.device.type == "cpu":
+        frozen = isinstance(module, bnb.nn.Linear8bitLt) and not module.state.has_fp16_weights
+        if frozen and module.weight.device.type == "cpu":
             module.forward = types.MethodType(_frozen_int8_forward, module)
 
 
