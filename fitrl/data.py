@@ -23,30 +23,40 @@ def _split_files(directory: Path, split: str) -> list[Path]:
     return [p for p in files if p.stem == split] or files
 
 
-def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
+def _local_files(path: Path, split: str) -> list[Path]:
     if path.is_dir():
-        matching = _split_files(path, split)
-        if not matching:
+        files = _split_files(path, split)
+        if not files:
             raise UsageError(f"no .jsonl/.json/.csv/.parquet files in {path}")
-        files = matching
     else:
         if path.suffix not in LOCAL_FORMATS:
             raise UsageError(f"unsupported data file {path}; use .jsonl, .json, .csv or .parquet")
         files = [path]
     if all(p.stat().st_size == 0 for p in files):
         raise UsageError(f"dataset {path} is empty; give a file with at least one row")
-    for p in files:
-        if p.suffix == ".jsonl":
-            _check_json_lines(p)
-    formats = {LOCAL_FORMATS[p.suffix] for p in files}
-    if len(formats) > 1:
+    if len({LOCAL_FORMATS[p.suffix] for p in files}) > 1:
         raise UsageError(f"mixed file formats in {path}; keep one format per dataset")
-    return formats.pop(), [str(p) for p in files]
+    return files
 
 
-def _check_json_lines(path: Path) -> None:
-    """Every non-blank line of a .jsonl file is one JSON object, and there is at least one."""
-    rows = 0
+def _source_files(source: str, split: str, demo_cache_dir: str) -> list[Path] | None:
+    """The files of a demo or local `source` (each .jsonl one checked row by row), or None for a hub id."""
+    if demo.is_demo_uri(source):
+        file = demo.resolve(source, demo_cache_dir) / f"{split}.jsonl"
+        if not file.is_file():
+            raise UsageError(f"demo dataset {source} has no split '{split}'; use train or test")
+        return [file]
+    path = Path(source).expanduser()
+    if path.exists():
+        return _local_files(path, split)
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise UsageError(f"dataset path {source} does not exist; give a local file or directory, or a hub id")
+    return None
+
+
+def _json_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a .jsonl file: every non-blank line one JSON object, at least one of them."""
+    rows = []
     with path.open(encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -57,9 +67,10 @@ def _check_json_lines(path: Path) -> None:
                 raise UsageError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that row") from None
             if not isinstance(row, dict):
                 raise UsageError(f"{path} line {number} is not a JSON object; each line must be one row")
-            rows += 1
-    if rows == 0:
+            rows.append(row)
+    if not rows:
         raise UsageError(f"dataset {path} has no rows (only blank lines); give a file with at least one row")
+    return rows
 
 
 def load_dataset_any(
@@ -70,18 +81,13 @@ def load_dataset_any(
 
     datasets.disable_progress_bars()
     try:
-        if demo.is_demo_uri(source):
-            root = demo.resolve(source, demo_cache_dir)
-            if not (root / f"{split}.jsonl").is_file():
-                raise UsageError(f"demo dataset {source} has no split '{split}'; use train or test")
-            return datasets.load_dataset("json", data_files=str(root / f"{split}.jsonl"), split="train")
-        path = Path(source).expanduser()
-        if path.exists():
-            fmt, files = _local_files(path, split)
-            return datasets.load_dataset(fmt, data_files=files, split="train")
-        if source.startswith((".", "/", "~")) or source.count("/") > 1:
-            raise UsageError(f"dataset path {source} does not exist; give a local file or directory, or a hub id")
-        return datasets.load_dataset(source, config_name, split=split)
+        files = _source_files(source, split, demo_cache_dir)
+        if files is None:
+            return datasets.load_dataset(source, config_name, split=split)
+        for p in files:
+            if p.suffix == ".jsonl":
+                _json_rows(p)  # a bad row as one line naming it, before datasets' own parse error
+        return datasets.load_dataset(LOCAL_FORMATS[files[0].suffix], data_files=[str(p) for p in files], split="train")
     except UsageError:
         raise
     except (FileNotFoundError, ValueError, OSError, ConnectionError) as e:
@@ -100,17 +106,30 @@ def split_name(source: str, split: str) -> str:
     return split
 
 
+def check_columns(
+    columns: Sequence[str], wanted: Sequence[str], source: str, fix: str = "pick the right column in the config"
+) -> None:
+    """Raise a `UsageError` naming the first of `wanted` that `columns` lacks, with `fix` as the way out."""
+    missing = [c for c in wanted if c not in columns]
+    if missing:
+        raise UsageError(f"dataset {source} has no column '{missing[0]}' (columns: {', '.join(columns)}); {fix}")
+
+
 def require_columns(
     dataset: Any, columns: Sequence[str], source: str, fix: str = "pick the right column in the config"
 ) -> None:
-    """Raise a `UsageError` naming the first missing column, with `fix` as the way out."""
-    missing = [c for c in columns if c not in dataset.column_names]
-    if missing:
-        raise UsageError(
-            f"dataset {source} has no column '{missing[0]}' (columns: {', '.join(dataset.column_names)}); {fix}"
-        )
+    """Raise a `UsageError` naming the first missing column, with `fix` as the way out, or if it is empty."""
+    check_columns(dataset.column_names, columns, source, fix)
     if len(dataset) == 0:
         raise UsageError(f"dataset {source} is empty")
+
+
+def _is_text(value: Any, min_chars: int) -> bool:
+    return isinstance(value, str) and len(value.strip()) >= min_chars
+
+
+def _no_text(source: str, min_chars: int, column: str) -> UsageError:
+    return UsageError(f"dataset {source} has no text of at least {min_chars} characters in '{column}'")
 
 
 def load_text_dataset(
@@ -122,9 +141,28 @@ def load_text_dataset(
     ds = ds.select_columns([text_column])
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
-    ds = ds.filter(lambda r: isinstance(r["text"], str) and len(r["text"].strip()) >= min_chars)
+    ds = ds.filter(lambda r: _is_text(r["text"], min_chars))
     if len(ds) == 0:
-        raise UsageError(f"dataset {source} has no text of at least {min_chars} characters in '{text_column}'")
+        raise _no_text(source, min_chars, text_column)
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
     return ds
+
+
+def load_texts(
+    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
+) -> list[str]:
+    """`load_text_dataset`'s texts as a list. .jsonl files (the demo's too) are read here, without
+    importing `datasets` (76 MB of a PPO process's memory and most of a second of its start-up)."""
+    try:
+        files = _source_files(source, split, demo_cache_dir)
+        if files is None or any(p.suffix != ".jsonl" for p in files):
+            return list(load_text_dataset(source, split, text_column, demo_cache_dir, max_samples, min_chars)["text"])
+        rows = [row for p in files for row in _json_rows(p)]
+    except OSError as e:
+        raise UsageError(f"cannot read dataset {source}: {first_line(e)}") from None
+    check_columns(list(dict.fromkeys(key for row in rows for key in row)), [text_column], source)
+    texts = [row[text_column] for row in rows if _is_text(row.get(text_column), min_chars)]
+    if not texts:
+        raise _no_text(source, min_chars, text_column)
+    return texts[:max_samples]

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from fitrl.config import UsageError, check, first_line, help_field
-from fitrl.data import load_text_dataset
+from fitrl.data import load_texts
 from fitrl.modeling import resolve_model_path
 
 
@@ -173,19 +173,17 @@ def corpus_word_share(queries: list[str], responses: list[str], vocabulary: set[
 
 def build_queries(tokenizer: Any, args: PromptArguments, demo_cache_dir: str, seed: int) -> list[list[int]]:
     """Token ids of each query: the first n tokens of each long-enough review, n drawn per review."""
-    ds = load_text_dataset(
+    texts = load_texts(
         args.dataset,
         args.dataset_split,
         args.text_column,
         demo_cache_dir,
-        max_samples=None,
+        max_samples=args.max_prompts,
         min_chars=args.min_review_chars + 1,
     )
-    if args.max_prompts is not None:
-        ds = ds.select(range(min(args.max_prompts, len(ds))))
     rng = random.Random(seed)
     queries = []
-    for text in ds["text"]:
+    for text in texts:
         n = rng.randint(args.query_min_tokens, args.query_max_tokens)
         queries.append(tokenizer(text, add_special_tokens=False).input_ids[:n])
     return queries

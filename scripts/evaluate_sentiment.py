@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
-from fitrl.data import load_text_dataset
+from fitrl.data import load_texts
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     judge = None
     if args.judge_model:
         judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)
-    corpus = load_text_dataset(prompt_args.dataset, "train", prompt_args.text_column, demo_args.demo_cache_dir)
-    vocabulary = corpus_vocabulary(corpus["text"])
+    corpus = load_texts(prompt_args.dataset, "train", prompt_args.text_column, demo_args.demo_cache_dir)
+    vocabulary = corpus_vocabulary(corpus)
 
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval") as out:
         rows = answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device)
