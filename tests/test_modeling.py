@@ -14,6 +14,7 @@ import torch
 
 from fitrl.config import UsageError
 from fitrl.modeling import (
+    DequantScratch,
     FrozenInt8Product,
     LoraArguments,
     ModelArguments,
@@ -168,14 +169,23 @@ def test_frozen_int8_product_is_bitsandbytes_training_product_keeping_only_the_i
     import bitsandbytes as bnb
 
     torch.manual_seed(0)
-    layer = bnb.nn.Linear8bitLt(64, 96, has_fp16_weights=False)
-    layer.load_state_dict(torch.nn.Linear(64, 96).state_dict())
-    layer = layer.to("cpu").train().requires_grad_(False)
+    layers = []
+    for n_in, n_out in [(64, 96), (96, 32)]:  # the second, smaller weight reuses the first one's scratch
+        layer = bnb.nn.Linear8bitLt(n_in, n_out, has_fp16_weights=False)
+        layer.load_state_dict(torch.nn.Linear(n_in, n_out).state_dict())
+        layers.append(layer.to("cpu").train().requires_grad_(False))
     x = torch.randn(3, 5, 64, requires_grad=True)
-    theirs = layer(x)  # bitsandbytes' training product on a CPU (and it moves the int8 weight to its state)
+    theirs = layers[1](layers[0](x))  # bitsandbytes' training product (it moves the int8 weight to its state)
     (grad_theirs,) = torch.autograd.grad(theirs.square().sum(), x)
-    ours = FrozenInt8Product.apply(x, layer.state.CB, layer.state.SCB, layer.bias)
-    (grad_ours,) = torch.autograd.grad(ours.square().sum(), x)
-    assert torch.equal(ours, theirs) and torch.equal(grad_ours, grad_theirs)
-    saved = FrozenInt8Product.apply(x, layer.state.CB, layer.state.SCB, layer.bias).grad_fn.saved_tensors
-    assert [t.dtype for t in saved] == [torch.int8, torch.float32] and saved[1].shape == (96,), "it keeps x"
+    scratch = DequantScratch()
+
+    def ours(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = FrozenInt8Product.apply(x, layer.state.CB, layer.state.SCB, layer.bias, scratch)
+        return x
+
+    (grad_ours,) = torch.autograd.grad(ours(x).square().sum(), x)
+    assert torch.equal(ours(x), theirs) and torch.equal(grad_ours, grad_theirs)
+    assert [b.numel() for b in scratch.buffers.values()] == [96 * 64], "one buffer, the largest weight's size"
+    saved = ours(x).grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.int8, torch.float32] and saved[1].shape == (32,), "it keeps x"
