@@ -154,7 +154,10 @@ def sample_responses(
             output_logits=keep_policy,
             return_dict_in_generate=True,
         )
-    responses = out.sequences[:, q_len:]
+    # Drop the output's KV cache (51 MiB for the TRL benchmark's 128 prompts) before the policy outputs.
+    sequences, step_logits = out.sequences, out.logits
+    del out
+    responses = sequences[:, q_len:]
     if responses.shape[1] < r_len:  # every sequence hit EOS early
         fill = torch.full((len(queries), r_len - responses.shape[1]), pad, dtype=torch.long, device=device)
         responses = torch.cat([responses, fill], dim=1)
@@ -165,7 +168,7 @@ def sample_responses(
         lengths_t = torch.minimum(lengths_t, first_eos)
     response_mask = (torch.arange(r_len, device=device)[None] < lengths_t[:, None]).long()
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
-    policy = _policy_outputs(out.logits, hidden, responses, response_mask) if keep_policy else None
+    policy = _policy_outputs(step_logits, hidden, responses, response_mask) if keep_policy else None
     return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len, policy)
 
 
@@ -174,13 +177,13 @@ def _policy_outputs(
 ) -> PolicyOutputs:
     # One forward per generated token: the prefill's last position predicts the first response token,
     # each later call the next one. Generation may stop early (every row at EOS): the rest is padding.
+    # A step at a time, each (B, V) logits as one row: no (B, steps, V) copy of them all.
     steps = len(step_logits)
-    logits = torch.stack(step_logits, 1)  # (B, steps, V)
     h = torch.cat([x[:, -1:] for x in hidden[:steps]], 1)  # (B, steps, H)
     pad = responses.shape[1] - steps
     fields = [
-        logprobs_from_logits(logits, responses[:, :steps]),
-        entropy_from_logits(logits),
+        torch.stack([logprobs_from_logits(x[None], responses[None, :, t])[0] for t, x in enumerate(step_logits)], 1),
+        torch.stack([entropy_from_logits(x[None])[0] for x in step_logits], 1),
     ]
     logprobs, entropy = (torch.nn.functional.pad(f, (0, pad)) * mask for f in fields)
     h = torch.nn.functional.pad(h, (0, 0, 0, pad)) * mask[..., None]
