@@ -40,7 +40,7 @@ def _local_files(path: Path, split: str) -> list[Path]:
 
 
 def _source_files(source: str, split: str, demo_cache_dir: str) -> list[Path] | None:
-    """The files of a demo or local `source` (each .jsonl one checked row by row), or None for a hub id."""
+    """The data files of a demo or local `source`, or None for a hub id."""
     if demo.is_demo_uri(source):
         file = demo.resolve(source, demo_cache_dir) / f"{split}.jsonl"
         if not file.is_file():
