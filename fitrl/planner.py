@@ -34,6 +34,7 @@ from typing import Any
 from fitrl.config import UsageError, first_line
 from fitrl.memtrace import LAST_DECODE_STEP, PREFILL, TORCH_DTYPES, Workload, build, trace_step
 from fitrl.modeling import DEFAULT_LORA_TARGETS, GRPO_LORA_TARGETS
+from fitrl.rollout import generation_batch
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 # Hub ids whose config.json ships with fitrl, so planning needs no download.
@@ -429,8 +430,8 @@ def workload(
             micro_batch=settings["mini_batch_size"] // settings["gradient_accumulation_steps"],
             prompt_len=settings["query_max_tokens"],
             completion_len=settings["response_max_tokens"],
-            gen_batch=min(
-                settings.get("generation_batch_size") or settings["forward_batch_size"], settings["batch_size"]
+            gen_batch=generation_batch(
+                settings.get("generation_batch_size"), settings["forward_batch_size"], settings["batch_size"]
             ),
             nograd_batch=min(settings["forward_batch_size"], settings["batch_size"]),
             reference_pass=True,

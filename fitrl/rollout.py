@@ -91,6 +91,11 @@ def generation_mode(model: Any) -> Iterator[None]:
         model.train(was_training)
 
 
+def generation_batch(generation_batch_size: int | None, forward_batch_size: int, batch_size: int) -> int:
+    """Prompts per PPO `generate` call: `generation_batch_size`, else the no-grad batch; at most a step's."""
+    return min(generation_batch_size or forward_batch_size, batch_size)
+
+
 def left_pad(queries: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists as one left-padded batch: ids (B, Q) and attention mask (B, Q)."""
     width = max(len(q) for q in queries)

@@ -64,7 +64,15 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import MetricsLog, check_output_dir, markdown_cell, plot_curves, staged_output_dir
 from fitrl.planner import planned_peak_mb
-from fitrl.rollout import Rollout, decode, forward, response_slice, response_window, sample_responses
+from fitrl.rollout import (
+    Rollout,
+    decode,
+    forward,
+    generation_batch,
+    response_slice,
+    response_window,
+    sample_responses,
+)
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
 
 
@@ -399,7 +407,7 @@ def rollout(run: Run, step: int) -> list[Rollout]:
     run.first_prompts = run.first_prompts or idx[:4]
     low, high = run.prompt_args.response_min_tokens, run.prompt_args.response_max_tokens
     lengths = torch.randint(low, high + 1, (args.batch_size,)).tolist()
-    size = args.generation_batch_size or args.forward_batch_size
+    size = generation_batch(args.generation_batch_size, args.forward_batch_size, args.batch_size)
     chunks = [slice(c, c + size) for c in range(0, args.batch_size, size)]
     # The full KL needs the policy's logits beside the reference's: those come from a forward pass.
     keep_policy = args.policy_from_generation and args.kl_estimator != "full"

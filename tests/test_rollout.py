@@ -222,3 +222,11 @@ def test_sampling_frees_the_kv_cache_before_the_policy_outputs(monkeypatch: pyte
     torch.manual_seed(0)
     r = sample_responses(tiny_neox(), TOKENIZER, [[5, 6, 7], [8]], [4, 4], False, torch.device("cpu"), keep_policy=True)
     assert caches_alive == [0] and r.policy is not None
+
+
+def test_generation_batch_defaults_to_the_no_grad_batch_and_never_exceeds_a_step() -> None:
+    from fitrl.rollout import generation_batch
+
+    assert generation_batch(None, 8, 32) == 8
+    assert generation_batch(32, 8, 128) == 32
+    assert generation_batch(None, 16, 4) == generation_batch(64, 8, 4) == 4
