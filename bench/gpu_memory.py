@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from fitrl import planner
-from fitrl.memtrace import Workload, build, measure_step
+from fitrl.architectures import architecture
+from fitrl.memtrace import build_trainable, measure_step
 from fitrl.modeling import GRPO_LORA_TARGETS, ModelArguments, load_causal_lm
+from fitrl.workload import Workload
 
 
 def workloads(tiny: bool) -> dict[str, Workload]:
@@ -96,7 +98,7 @@ def run_row(config, name: str, w: Workload, device: str, workdir: Path) -> dict:
     base = load_causal_lm(args, path=str(path), gradient_checkpointing=w.gradient_checkpointing)
     if not w.quantized:
         base = base.to(device)
-    model = build(config, w, device, base=base)
+    model = build_trainable(config, w, device, base=base)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, stage, quantization, optimizer in rows_spec:
-            config = tiny_config() if args.tiny else planner.architecture(name)
+            config = tiny_config() if args.tiny else architecture(name)
             targets = (
                 GRPO_LORA_TARGETS.get(config.model_type, ["all-linear"]) if stage == "grpo" else ["q_proj", "v_proj"]
             )  # noqa: E501

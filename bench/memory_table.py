@@ -1,7 +1,7 @@
 """What fits your card: the planner's peak for SFT, PPO and GRPO across model sizes and precisions.
 
     python bench/memory_table.py            # print the markdown tables (a few minutes on 2 cores)
-    python bench/memory_table.py --write    # and replace them in README.md, between the markers
+    python bench/memory_table.py --write    # and replace them in docs/memory.md, between the markers
     python bench/memory_table.py --models Qwen/Qwen2.5-0.5B --stages sft   # a subset
 
 Every number is planned (`fitrl.planner`: exact static bytes, depth-extrapolated meta traces), not
@@ -20,7 +20,8 @@ import re
 import sys
 from pathlib import Path
 
-from fitrl import planner
+from fitrl import planner, stages
+from fitrl.architectures import architecture
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = [
@@ -51,6 +52,7 @@ def settings(stage: str, mode: str, generations: int = 4) -> dict:
     if stage == "ppo":
         return {
             **common,
+            "reward_model": "",  # the policy's own memory: the reward model is a choice of its own
             "optimizer": "adamw_8bit" if eight_bit else "adamw",
             "mini_batch_size": 16,
             "gradient_accumulation_steps": 1,
@@ -82,11 +84,16 @@ def table(stage: str, models: list[str], generations: int = 4) -> str:
     title = {"sft": "SFT, 512-token blocks", "ppo": "PPO, the blog's shapes", "grpo": grpo}[stage]
     lines = [f"**{title}**", "", "| model | " + " | ".join(MODES) + " |", "|---|" + "---|" * len(MODES)]
     for name in models:
-        config = planner.architecture(name)
+        config = architecture(name)
         row = []
         for mode in MODES:
             finetuning = MODES[mode][0]
-            p = planner.plan_stage(stage, settings(stage, mode, generations), config, finetuning=finetuning)
+            flags = [
+                f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in settings(stage, mode, generations).items()
+            ]
+            configs = stages.get(stage).parse(["--model_name_or_path", name, *flags])
+            p = planner.plan_stage(stages.get(stage), configs, config, finetuning=finetuning)
             row.append(cell(p.peak_bytes))
         lines.append(f"| {name.split('/')[-1]} | " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -96,23 +103,24 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=MODELS)
     parser.add_argument("--stages", nargs="+", default=["grpo", "ppo", "sft"], choices=["sft", "ppo", "grpo"])
-    parser.add_argument("--write", action="store_true", help="Replace the tables in README.md.")
+    parser.add_argument("--write", action="store_true", help="Replace the tables in docs/memory.md.")
     args = parser.parse_args(argv)
     parts = [
         "Planned peak GiB per GPU, then whether it fits 16 / 24 / 48 / 80 GiB (✓ fits, · does not). "
-        "Planned, not measured: regenerate with `python bench/memory_table.py --write`."
+        "Planned, not measured: regenerate with `python bench/memory_table.py --write`. "
+        "With 8 generations GRPO plans as with 4 (the generation batch is 8 either way)."
     ]
     for stage in args.stages:
-        for generations in [4, 8, 16] if stage == "grpo" else [0]:
+        for generations in [4, 16] if stage == "grpo" else [0]:
             parts.append(table(stage, args.models, generations))
             print(parts[-1] + "\n", flush=True)
     if args.write:
-        readme = (ROOT / "README.md").read_text()
+        readme = (ROOT / "docs" / "memory.md").read_text()
         body = "\n\n".join(parts)
         new, n = re.subn(f"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{body}\n{END}", readme, flags=re.S)
         if n != 1:
-            sys.exit(f"README.md has no {BEGIN} ... {END} block to replace")
-        (ROOT / "README.md").write_text(new)
+            sys.exit(f"docs/memory.md has no {BEGIN} ... {END} block to replace")
+        (ROOT / "docs" / "memory.md").write_text(new)
 
 
 if __name__ == "__main__":

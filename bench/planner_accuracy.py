@@ -13,19 +13,20 @@ at each phase's peak (no CUDA context or allocator slack), in MiB.
 from __future__ import annotations
 
 import argparse
-import sys
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from fitrl import planner
-from fitrl.config import config_dict, parse_config
-from fitrl.memtrace import Workload, build, measure_step
-from fitrl.modeling import ModelArguments, load_causal_lm
+from fitrl import planner, stages
+from fitrl.architectures import architecture
+from fitrl.demo import DemoArguments
+from fitrl.memtrace import build_trainable, measure_step
+from fitrl.modeling import ModelArguments, load_causal_lm, resolve_model_path
+from fitrl.stages.base import config_of
+from fitrl.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from plan_memory import stage_config_types  # noqa: E402
 
 
 def small(kind: str, layers: int = 4):
@@ -89,7 +90,7 @@ def compare(name: str, config, w: Workload, device: str, base=None) -> None:
     plan = planner.plan(config, w, on_gpu=False)
     traced = planner.trace_full_depth(config, w)
     torch.manual_seed(0)
-    measured = measure_step(build(config, w, device, base=base), w, device)
+    measured = measure_step(build_trainable(config, w, device, base=base), w, device)
     for phase, real in measured.items():
         p, t = plan.phase_bytes[phase], traced[phase]
         print(f"{name:<28} {phase:<14} {mib(p)} {mib(t)} {mib(real)}   {p / real:6.3f} {t / real:6.3f}", flush=True)
@@ -97,19 +98,15 @@ def compare(name: str, config, w: Workload, device: str, base=None) -> None:
 
 def profile(stage: str, device: str) -> None:
     """A demo profile as the stage runs it: its own config, its base loaded by the stage's loader."""
-    configs = parse_config(stage_config_types(stage), ["--config", str(ROOT / "configs" / "demo" / f"{stage}.yaml")])
-    settings = config_dict(*configs)
-    path = settings["model_name_or_path"]
-    if stage == "ppo":  # the merged model is a pipeline output; the demo LM has the same architecture
-        path = "demo://lm"
-    config = planner.architecture(path, settings.get("demo_cache_dir"))
-    w = planner.workload(stage, settings, config.model_type, on_gpu=False)
-    model_args = ModelArguments(
-        **{k: settings[k] for k in ["quantization", "dtype", "trust_remote_code"]}, model_name_or_path=path
-    )
-    from fitrl.modeling import resolve_model_path
-
-    resolved = resolve_model_path(path, settings.get("demo_cache_dir"))
+    stage_ = stages.get(stage)
+    configs = stage_.parse(["--config", str(ROOT / "configs" / "demo" / f"{stage}.yaml")])
+    model_args = config_of(configs, ModelArguments)
+    if stage_.reads is not None:  # PPO's merged model is a pipeline output; the demo LM has the same architecture
+        model_args = dataclasses.replace(model_args, model_name_or_path="demo://lm")
+    cache = config_of(configs, DemoArguments).demo_cache_dir
+    config = architecture(model_args.model_name_or_path, cache)
+    w = stage_.memory.workload(configs, config.model_type, False, 1)
+    resolved = resolve_model_path(model_args.model_name_or_path, cache)
     base = load_causal_lm(model_args, path=resolved, gradient_checkpointing=w.gradient_checkpointing)
     compare(f"demo {stage} ({w.quantization})", config, w, device, base=base)
 
@@ -122,9 +119,9 @@ REAL_PROFILES = [  # (profile, stage, architecture): too large to measure on a C
 
 
 def real_profile(name: str, stage: str, arch: str) -> None:
-    configs = parse_config(stage_config_types(stage), ["--config", str(ROOT / "configs" / name / f"{stage}.yaml")])
-    config = planner.architecture(arch)
-    plan = planner.plan_stage(stage, config_dict(*configs), config)
+    configs = stages.get(stage).parse(["--config", str(ROOT / "configs" / name / f"{stage}.yaml")])
+    config = architecture(arch)
+    plan = planner.plan_stage(stages.get(stage), configs, config)
     traced = planner.trace_full_depth(config, plan.workload)
     for phase, t in traced.items():
         p = plan.phase_bytes[phase]

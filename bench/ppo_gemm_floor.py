@@ -3,8 +3,9 @@
     python bench/ppo_gemm_floor.py                          # fp32, after `python bench/ppo_vs_trl011.py --json ...`
     python bench/ppo_gemm_floor.py --quantization 8bit --peer bench/results/ppo_vs_trl011_cpu.json
 
-Runs fitrl's `ppo_sentiment.py` in this process on the benchmark's model and settings, and
-profiles one step after the warm-up (step 3) phase by phase with `torch.profiler`: each phase's wall
+Runs fitrl's `ppo_sentiment.py` in this process (as Python runs a script) on the benchmark's model
+and settings, and profiles one step after the warm-up (step 3) phase by phase with `torch.profiler`,
+through the package functions each phase calls (sampling, `fitrl.ppo_step`): each phase's wall
 time (the profiler's overhead included) and the time its matrix products (`addmm`, `mm`, `bmm`,
 `baddbmm`) take on their own. Those products are what the step must compute (sampling with a KV
 cache, one no-grad reference pass, a forward and a backward per mini-batch), and TRL 0.11.4
@@ -25,40 +26,53 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "scripts")]
+sys.path.insert(0, str(ROOT / "bench"))
 
 from ppo_vs_trl011 import build_model, fitrl_argv  # noqa: E402
 
 GEMMS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"}
-PHASES = {"rollout": "generate", "make_experience": "forward", "ppo_update": "optimise"}
+# The package function each phase of a step calls, and the phase's name in the script's timings.
+PHASES = {
+    ("fitrl.rollout", "sample_responses"): "generate",
+    ("fitrl.ppo_step", "make_experience"): "forward",
+    ("fitrl.ppo_step", "ppo_update"): "optimise",
+}
 
 
-def profile_phases(module, step_to_profile: int) -> dict[str, dict[str, float]]:
-    """Wrap the script's phase functions so that `step_to_profile` (0-based) runs each under the profiler."""
+def profile_phases(step_to_profile: int) -> dict[str, dict[str, float]]:
+    """Wrap the phases' package functions (before the script imports them) so that every call of step
+    `step_to_profile` (0-based; the update ends a step) runs under the profiler, summed per phase."""
+    import importlib
+
     from torch.profiler import ProfilerActivity, profile
 
     seen: dict[str, dict[str, float]] = {}
-    calls = {name: 0 for name in PHASES}
+    steps_done = [0]
 
-    def wrap(name: str) -> None:
+    def wrap(module_name: str, name: str, phase_name: str) -> None:
+        module = importlib.import_module(module_name)
         phase = getattr(module, name)
 
         def profiled(*args, **kwargs):
-            calls[name] += 1
-            if calls[name] != step_to_profile + 1:
-                return phase(*args, **kwargs)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                start = time.perf_counter()
+            if steps_done[0] != step_to_profile:
                 out = phase(*args, **kwargs)
-                wall = time.perf_counter() - start
-            gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMMS) / 1e6
-            seen[PHASES[name]] = {"time_s": wall, "gemm_s": gemm}
+            else:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    start = time.perf_counter()
+                    out = phase(*args, **kwargs)
+                    wall = time.perf_counter() - start
+                gemm = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMMS) / 1e6
+                row = seen.setdefault(phase_name, {"time_s": 0.0, "gemm_s": 0.0})
+                row["time_s"] += wall
+                row["gemm_s"] += gemm
+            if phase_name == "optimise":
+                steps_done[0] += 1
             return out
 
         setattr(module, name, profiled)
 
-    for name in PHASES:
-        wrap(name)
+    for (module_name, name), phase_name in PHASES.items():
+        wrap(module_name, name, phase_name)
     return seen
 
 
@@ -73,7 +87,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    import ppo_sentiment
+    import runpy
 
     from fitrl.demo import DEFAULT_CACHE_DIR
     from fitrl.demo import build as build_demo
@@ -85,8 +99,10 @@ def main() -> None:
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp) / "model", demo, settings.seed)
-        seen = profile_phases(ppo_sentiment, step_to_profile=2)
-        ppo_sentiment.main(fitrl_argv(settings, Path(tmp) / "model", args.quantization, Path(tmp)))
+        seen = profile_phases(step_to_profile=2)
+        script = str(ROOT / "scripts" / "ppo_sentiment.py")
+        sys.argv = [script, *fitrl_argv(settings, Path(tmp) / "model", args.quantization, Path(tmp))]
+        runpy.run_path(script, run_name="__main__")
     step = sum(p["time_s"] for p in seen.values())
     gemm = sum(p["gemm_s"] for p in seen.values())
     print(f"\n== fitrl, {args.quantization}: step 3 under the profiler, {args.threads} threads ==")

@@ -1,4 +1,5 @@
-"""Where a stage's resumable checkpoints live and which one `--resume_from_checkpoint` means.
+"""Where a stage's resumable checkpoints live and which one `--resume_from_checkpoint` means, and
+which base model and stage an adapter came from (`check_adapter_base`).
 
 Checkpoints go to `<output_dir>.checkpoints/`, a sibling of the staged output, so a stopped run keeps
 them. PPO names them `step-N`, trl's trainers `checkpoint-N`; both hold a `trainer_state.json`.
@@ -155,3 +156,53 @@ def check_resume_config(checkpoint: Path, current: dict[str, Any]) -> list[str]:
             "resume with the checkpoint's settings, or start a new run without --resume_from_checkpoint"
         )
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed]
+
+
+def check_adapter_base(
+    adapter_dir: Path,
+    model_name: str,
+    model_path: str,
+    stage: str,
+    force: bool,
+    producer: str | None = None,
+    require_record: bool = True,
+) -> None:
+    """Refuse an adapter that was not trained on this model, or not by the stage that should have made it.
+
+    What the adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
+    `adapter_config.json`) is compared with the model named (`model_name`) and its resolved path or hub
+    id (`model_path`), as strings and as resolved paths. `producer` is the stage whose output this
+    stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check; without
+    `require_record`, an adapter that records no base at all passes (the merge checks shapes itself).
+    """
+    import json
+
+    from fitrl.config import load_run_config, load_run_info
+
+    if force:
+        return
+    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
+    made_by = info.get("stage")
+    if producer is not None and made_by is not None and made_by != producer:
+        raise UsageError(
+            f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
+            "(or pass --force true)"
+        )
+    peft_config = adapter_dir / "adapter_config.json"
+    peft_base = json.loads(peft_config.read_text()).get("base_model_name_or_path") if peft_config.is_file() else None
+    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
+    if not recorded and not require_record:
+        return
+    if not recorded:
+        raise UsageError(f"adapter {adapter_dir} records no base model; pass --force true if it fits {model_name}")
+    if {model_name, model_path} & recorded:
+        return
+    here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}
+    there = {Path(p).expanduser().resolve() for p in recorded if Path(p).expanduser().exists()}
+    if here & there:
+        return
+    trained_on = config.get("model_name_or_path") or peft_base or sorted(recorded)[0]
+    raise UsageError(
+        f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
+        "set model_name_or_path to its base (or pass --force true)"
+    )

@@ -8,6 +8,7 @@ before any model is loaded.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -58,6 +59,14 @@ def check(condition: bool, key: str, allowed: str) -> None:
 def one_of(value: Any, key: str, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     check(value in choices, key, "one of " + ", ".join(map(str, choices)) + f" (got {value!r})")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for fitrl's own commands (the pipeline, the planner): a bad flag is a `UsageError`, so
+    it prints as one line with exit 2 like every other usage error, not argparse's usage and exit."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(message)
 
 
 def _import_trl_parser() -> type:
@@ -201,6 +210,19 @@ def config_dict(*configs: Any) -> dict[str, Any]:
     return out
 
 
+def with_overrides(configs: Sequence[Any], overrides: dict[str, Any]) -> tuple[Any, ...]:
+    """`configs` with each key of `overrides` replaced in the config that has that field."""
+    out = []
+    for cfg in configs:
+        names = {f.name for f in dataclasses.fields(cfg) if f.init}
+        changed = {k: v for k, v in overrides.items() if k in names}
+        out.append(dataclasses.replace(cfg, **changed) if changed else cfg)
+    unknown = set(overrides) - {f.name for cfg in configs for f in dataclasses.fields(cfg)}
+    if unknown:
+        raise ValueError(f"no config has the field(s) {', '.join(sorted(unknown))}")
+    return tuple(out)
+
+
 def save_run_config(output_dir: str | Path, *configs: Any) -> Path:
     """Write the resolved settings as `run_config.yaml`, readable back with `--config`."""
     path = Path(output_dir) / RUN_CONFIG_NAME
@@ -241,11 +263,25 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     raise SystemExit(code)
 
 
+def one_thread_rule() -> int:
+    """The CPU threads of a stage process, one rule however it was launched: `OMP_NUM_THREADS` when
+    set, else 1, which is what `accelerate launch` gives each process unless told otherwise. A direct
+    `python scripts/<stage>.py` would otherwise take every core, and the same config would compute
+    other bits under the pipeline than run by hand."""
+    import torch
+
+    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    torch.set_num_threads(threads)
+    return threads
+
+
 def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a script's `main`: a `UsageError` prints one line on stderr and exits 2, a `RunFailed` exits 1."""
+    """Wrap a script's `main`: the thread rule, then a `UsageError` prints one line on stderr and exits 2,
+    a `RunFailed` exits 1."""
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> T:
+        one_thread_rule()
         try:
             return main(*args, **kwargs)
         except UsageError as e:
@@ -266,6 +302,7 @@ def help_field(default: Any, help: str, **metadata: Any) -> Any:
 
 __all__ = [
     "EXIT_USAGE",
+    "ArgumentParser",
     "RUN_CONFIG_NAME",
     "RUN_INFO_NAME",
     "RunFailed",
@@ -282,4 +319,5 @@ __all__ = [
     "parse_config",
     "save_run_config",
     "save_run_info",
+    "with_overrides",
 ]

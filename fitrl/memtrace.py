@@ -28,53 +28,22 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fitrl import ppo
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors
-from fitrl.modeling import PolicyAndValue, unloaded_bitsandbytes_hidden
-from fitrl.rollout import position_ids
+from fitrl.modeling import unloaded_bitsandbytes_hidden
+from fitrl.ppo_step import Experience, PolicyAndValue, adapter_disabled, experience_chunk, micro_step_loss
+from fitrl.rollout import Rollout
+from fitrl.stages.ppo import PPOArguments
+from fitrl.workload import Workload
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What trl 1.16's SFTTrainer and GRPOTrainer ask of their fused LM head (the logits are never built whole).
 FUSED_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one step of a stage allocates depends on: the settings and shapes, in tokens and sequences."""
-
-    stage: str  # sft | ppo | grpo
-    quantization: str = "none"  # none | 8bit | 4bit
-    dtype: str = "bfloat16"  # the compute dtype: float32 | bfloat16 | float16
-    finetuning: str = "lora"  # lora | full
-    lora_r: int = 16
-    lora_targets: tuple[str, ...] = ("all-linear",)
-    optimizer: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor
-    gradient_checkpointing: bool = False
-    micro_batch: int = 1  # sequences per training forward
-    prompt_len: int = 0  # PPO query / GRPO prompt tokens; 0 for SFT
-    completion_len: int = 512  # PPO response / GRPO completion tokens; SFT: the block size
-    gen_batch: int = 0  # sequences generated at once (0: no generation)
-    nograd_batch: int = 0  # sequences per no-grad pass (0: none)
-    reference_pass: bool = False  # log-probs with the adapter off
-    value_head: bool = False  # PPO's value head on the last hidden state
-    temperature: float = 1.0
-    # bitsandbytes' 8-bit product keeps its input for backward; fitrl's on a CPU keeps none (FrozenInt8Product)
-    int8_keeps_input: bool = True
-
-    @property
-    def seq_len(self) -> int:
-        return self.prompt_len + self.completion_len
-
-    @property
-    def quantized(self) -> bool:
-        return self.quantization != "none"
 
 
 class _KbitMatmul(torch.autograd.Function):
@@ -141,7 +110,7 @@ def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype, keeps_input: bo
         p.requires_grad_(False)
 
 
-def build(
+def build_trainable(
     config: Any, w: Workload, device: str | torch.device, num_layers: int | None = None, base: Any = None
 ) -> nn.Module:
     """The stage's trainable model from `config` (random weights) on `device`: LoRA or full, value head for PPO.
@@ -185,13 +154,6 @@ def build(
 
 def _policy(model: nn.Module) -> nn.Module:
     return model.policy if isinstance(model, PolicyAndValue) else model
-
-
-@contextlib.contextmanager
-def _adapter_off(model: nn.Module) -> Iterator[None]:
-    policy = _policy(model)
-    with policy.disable_adapter() if hasattr(policy, "disable_adapter") else contextlib.nullcontext():
-        yield
 
 
 def _flash_sdpa(
@@ -296,23 +258,22 @@ def generation_peak(model: nn.Module, w: Workload, device: Any, vocab: int, trac
         del out, cache
 
 
-@torch.no_grad()
+def _sequences(w: Workload, rows: int, device: Any, vocab: int) -> Rollout:
+    """`rows` sampled sequences of full length: a `prompt_len`-token query, a `completion_len`-token response."""
+    ids = _tokens(rows, w.seq_len, device, vocab)
+    return Rollout(ids, torch.ones_like(ids), torch.ones_like(ids[:, w.prompt_len :]), w.prompt_len)
+
+
+# The PPO loss's coefficients (clip ranges, value weight) change no tensor the step allocates.
+PPO_SETTINGS = PPOArguments()
+
+
 def nograd_pass(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
-    """PPO: old log-probs, values, entropy and reference log-probs of one `nograd_batch` chunk."""
+    """PPO: `fitrl.ppo_step.experience_chunk` on one `nograd_batch` chunk, with the policy's forward
+    (the planner takes the larger pass: not the log-probs kept from sampling)."""
     model.eval()
-    ids = _tokens(w.nograd_batch, w.seq_len, device, vocab)
-    mask = torch.ones_like(ids)
-    responses = ids[:, w.prompt_len :]
-    keep = w.completion_len + 1  # as `fitrl.rollout.response_window`: logits only where they predict the response
-    logits, values = model(ids, mask, logits_to_keep=keep)
-    with _adapter_off(model):
-        ref = _policy(model)(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=keep)
-    logits, ref_logits = logits[:, :-1], ref.logits[:, :-1]
-    logprobs = ppo.logprobs_from_logits(logits, responses)
-    ref_logprobs = ppo.logprobs_from_logits(ref_logits, responses)
-    kl = ppo.kl_penalty(logprobs, ref_logprobs)
-    entropy = ppo.entropy_from_logits(logits)
-    del logits, ref_logits, values, kl, entropy
+    chunk = experience_chunk(model, _sequences(w, w.nograd_batch, device, vocab), PPO_SETTINGS.kl_estimator)
+    del chunk
 
 
 @torch.no_grad()
@@ -320,7 +281,7 @@ def grpo_logprob_pass(model: nn.Module, w: Workload, device: Any, vocab: int) ->
     """GRPO: reference log-probs (adapter off) of one micro-batch through the fused head."""
     ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
     mask = torch.ones_like(ids)
-    with _adapter_off(model):
+    with adapter_disabled(_policy(model)):
         _grpo_logprobs(model, ids, mask, w.completion_len)
 
 
@@ -331,6 +292,16 @@ def _grpo_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, keep
     return out.log_probs[:, -keep:], out.entropy[:, -keep:]
 
 
+def _experience(w: Workload, ids: torch.Tensor, device: Any) -> Experience:
+    """A micro-batch of PPO experience over the sequences `ids`: every response token real."""
+    per_token = [torch.zeros(w.micro_batch, w.completion_len, device=device) for _ in range(6)]
+    mask, logprobs, values, kl, entropy, advantages = per_token
+    mask += 1
+    return Experience(
+        ids, torch.ones_like(ids), mask, logprobs, values, kl, entropy, w.prompt_len, advantages, returns=advantages
+    )
+
+
 def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
     """One forward and backward of the stage's loss on a micro-batch; gradients accumulate."""
     model.train()
@@ -339,13 +310,8 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
     if w.stage == "sft":  # trl's SFTTrainer: the mean negative log-prob from the fused head
         out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
         loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
-    elif w.stage == "ppo":
-        q, zeros = w.prompt_len, torch.zeros(w.micro_batch, w.completion_len, device=device)
-        logits, values = model(ids, mask, logits_to_keep=w.completion_len + 1)
-        logprobs = ppo.logprobs_from_logits(logits[:, :-1], ids[:, q:])
-        pg = ppo.policy_loss(logprobs, zeros, zeros, zeros + 1, 0.2)
-        vf_loss, _ = ppo.value_loss(values[:, q - 1 : -1], zeros, zeros, zeros + 1, 0.2)
-        loss = pg.loss + 0.1 * vf_loss
+    elif w.stage == "ppo":  # `fitrl.ppo_step.micro_step_loss` on a micro-batch of experience
+        loss, _stats = micro_step_loss(model, _experience(w, ids, device), PPO_SETTINGS)
     else:  # grpo, trl's dapo loss with one iteration: ratio exp(logp - logp.detach())
         logps, _entropy = _grpo_logprobs(model, ids, mask, w.completion_len)
         advantages = torch.zeros(w.micro_batch, 1, device=device)

@@ -6,11 +6,8 @@ LoRA defaults behave the same in SFT, PPO and GRPO.
 
 from __future__ import annotations
 
-import functools
-import math
 import re
 import sys
-import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +20,7 @@ from torch import nn
 from fitrl import demo
 from fitrl.config import UsageError, check, first_line, help_field, offline_note
 from fitrl.distributed import process_state
-from fitrl.rollout import last_hidden_states, position_ids
+from fitrl.int8 import int8_layers_on_cpu
 
 # LoRA targets per architecture when the config names none: the attention projections the
 # original LoRA paper and the peft examples use for each family.
@@ -165,82 +162,6 @@ def _release_checkpoint_map(model: nn.Module) -> None:
                 t.data = t.data.clone()
 
 
-def _int8_layers_on_cpu(model: nn.Module) -> None:
-    """Run bitsandbytes' frozen 8-bit layers on a CPU through `FrozenInt8Product`.
-
-    bitsandbytes picks an 8-bit layer's CPU product by the layer's training flag: int8-quantized
-    inputs in eval, the dequantized weight in training (up to 0.05 apart in a token's log-prob on the
-    benchmark's model). PPO divides a probability taken in training (the update) by ones taken in
-    eval (sampling, the reference), so the two must agree. Its training product also keeps every
-    layer's input for a weight gradient a frozen layer never gets: 19 of the 68 MiB of tensors a PPO
-    step holds at the benchmark's shapes. The GPU keeps bitsandbytes' own int8 product.
-    """
-    import bitsandbytes as bnb
-
-    scratch = DequantScratch()
-    for module in model.modules():
-        frozen = isinstance(module, bnb.nn.Linear8bitLt) and not module.state.has_fp16_weights
-        if frozen and module.weight.device.type == "cpu":
-            module.forward = types.MethodType(functools.partial(_frozen_int8_forward, scratch=scratch), module)
-
-
-def _frozen_int8_forward(self: Any, x: torch.Tensor, scratch: DequantScratch) -> torch.Tensor:
-    if self.weight.CB is not None:  # first call: bitsandbytes moves the int8 weight into the layer's state
-        self.init_8bit_state()
-        self.weight.data = self.state.CB
-    bias = None if self.bias is None else self.bias.to(x.dtype)
-    return FrozenInt8Product.apply(x, self.state.CB, self.state.SCB, bias, scratch)
-
-
-class DequantScratch:
-    """One buffer per dtype that every layer of a model dequantizes its weight into, in turn.
-
-    A dequantized weight lives for one product only (a forward's output, a backward's input
-    gradient), so one buffer the size of the largest weight serves them all. Reused, it stays in
-    the CPU's cache, where a fresh tensor per product would be allocated and faulted in each time:
-    an 8-bit forward and backward at the TRL benchmark's shapes runs 7-13% faster, and holds no
-    more than the one transient weight it held before.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[torch.dtype, torch.Tensor] = {}
-
-    def dequantized(self, cb: torch.Tensor, scb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`cb * scb / 127` (a scale per row) in `dtype`, valid until this scratch's next call."""
-        buffer = self.buffers.get(dtype)
-        if buffer is None or buffer.numel() < cb.numel():
-            buffer = self.buffers[dtype] = torch.empty(cb.numel(), dtype=dtype, device=cb.device)
-        # bitsandbytes' own form (so the same bits), and on a CPU 25x faster than `torch.mul(cb, scale)`,
-        # whose mixed int8-float product with a broadcast scale takes a slow path.
-        return buffer[: cb.numel()].view(cb.shape).copy_(cb).mul_(scb.unsqueeze(1).mul(1.0 / 127.0))
-
-
-class FrozenInt8Product(torch.autograd.Function):
-    """`x W^T + b` for a frozen int8 weight `W = CB * SCB / 127` (a scale per output row), as
-    bitsandbytes computes it in training on a CPU (the same bits), keeping nothing for backward but
-    the int8 weight the layer holds anyway: the gradient reaches `x` only."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,
-        cb: torch.Tensor,
-        scb: torch.Tensor,
-        bias: torch.Tensor | None,
-        scratch: DequantScratch,
-    ) -> Any:
-        ctx.save_for_backward(cb, scb)
-        ctx.scratch = scratch
-        return nn.functional.linear(x, scratch.dequantized(cb, scb, x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        cb, scb = ctx.saved_tensors
-        grad_x = grad @ ctx.scratch.dequantized(cb, scb, grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
-        return grad_x, None, None, grad_bias, None
-
-
 def load_causal_lm(
     args: ModelArguments,
     *,
@@ -266,7 +187,7 @@ def load_causal_lm(
         raise UsageError(f"cannot load model {path}{offline_note()}: {first_line(e)}") from None
     if qconfig is not None:
         _release_checkpoint_map(model)
-        _int8_layers_on_cpu(model)
+        int8_layers_on_cpu(model)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
         if model.generation_config is not None:
@@ -337,86 +258,3 @@ def add_lora(model: Any, args: LoraArguments) -> Any:
             return get_peft_model(model, lora_config(args, model.config.model_type))
     except ValueError as e:
         raise UsageError(f"cannot put LoRA on this model: {first_line(e)}") from None
-
-
-def check_adapter_base(
-    adapter_dir: Path,
-    model_name: str,
-    model_path: str,
-    stage: str,
-    force: bool,
-    producer: str | None = None,
-    require_record: bool = True,
-) -> None:
-    """Refuse an adapter that was not trained on this model, or not by the stage that should have made it.
-
-    What the adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
-    `adapter_config.json`) is compared with the model named (`model_name`) and its resolved path or hub
-    id (`model_path`), as strings and as resolved paths. `producer` is the stage whose output this
-    stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check; without
-    `require_record`, an adapter that records no base at all passes (the merge checks shapes itself).
-    """
-    import json
-
-    from fitrl.config import load_run_config, load_run_info
-
-    if force:
-        return
-    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
-    made_by = info.get("stage")
-    if producer is not None and made_by is not None and made_by != producer:
-        raise UsageError(
-            f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
-            "(or pass --force true)"
-        )
-    peft_config = adapter_dir / "adapter_config.json"
-    peft_base = json.loads(peft_config.read_text()).get("base_model_name_or_path") if peft_config.is_file() else None
-    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
-    if not recorded and not require_record:
-        return
-    if not recorded:
-        raise UsageError(f"adapter {adapter_dir} records no base model; pass --force true if it fits {model_name}")
-    if {model_name, model_path} & recorded:
-        return
-    here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}
-    there = {Path(p).expanduser().resolve() for p in recorded if Path(p).expanduser().exists()}
-    if here & there:
-        return
-    trained_on = config.get("model_name_or_path") or peft_base or sorted(recorded)[0]
-    raise UsageError(
-        f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
-        "set model_name_or_path to its base (or pass --force true)"
-    )
-
-
-class PolicyAndValue(nn.Module):
-    """The LoRA policy and the value head as one module, so DDP averages both sets of gradients."""
-
-    def __init__(self, policy: nn.Module, hidden_size: int):
-        super().__init__()
-        self.policy = policy
-        self.value_head = nn.Linear(hidden_size, 1)  # fp32 whatever the backbone's dtype
-        nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden_size + 1))
-        nn.init.zeros_(self.value_head.bias)
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits of the last `logits_to_keep` positions (0: all) (B, K, V), and a value per position (B, T).
-
-        PPO needs logits only where they predict the response: keeping those alone saves the (B, Q, V)
-        rest. The value head reads the body's last hidden state through a hook rather than asking for
-        every layer's (`output_hidden_states` would keep L + 1 of them alive).
-        """
-        with last_hidden_states(self.policy) as captured:
-            out = self.policy(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids(attention_mask),
-                logits_to_keep=logits_to_keep,
-            )
-        return out.logits, self.values(captured[-1])
-
-    def values(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The value head on the body's last hidden states: (B, T, H) -> (B, T)."""
-        return self.value_head(hidden.float()).squeeze(-1)

@@ -6,6 +6,7 @@ when everything is written, so a crash or a bad input never leaves a half-writte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -24,22 +25,37 @@ METRICS_NAME = "metrics.jsonl"
 OUTPUT_MARKER = ".fitrl-output.json"
 
 
-def check_output_dir(output_dir: str | Path, overwrite: bool, inputs: Iterable[str | Path | None] = ()) -> Path:
+def refuse_shared_dir(path: Path, what: str, example: str) -> None:
+    """A directory fitrl may fill must not be the current directory, one of its parents, home or root."""
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    if resolved in {Path(resolved.anchor), Path.home().resolve(), cwd, *cwd.parents}:
+        raise UsageError(
+            f"{what} {path} is the current, home or root directory or a parent of the current one; "
+            f"give it a directory of its own, e.g. {example}"
+        )
+
+
+def check_output_dir(
+    output_dir: str | Path,
+    overwrite: bool,
+    inputs: Iterable[str | Path | None] = (),
+    demo_cache_dir: str | None = None,
+) -> Path:
     """Resolve `output_dir` and check that writing there loses nothing; raise `UsageError` if it would.
 
     Refused: the current directory, one of its parents, the home or root directory; a directory equal
-    to, inside or containing one of the stage's `inputs`; a non-empty directory unless `overwrite`,
-    and even then one that holds a file fitrl did not write (its `.fitrl-output.json` lists them).
+    to, inside or containing one of the stage's `inputs` (a `demo://` input: the demo's whole build in
+    `demo_cache_dir`); a non-empty directory unless `overwrite`, and even then one that holds anything
+    fitrl did not write (its `.fitrl-output.json` lists what it wrote).
     """
     final = Path(output_dir).expanduser().absolute()
     resolved = final.resolve()
-    cwd = Path.cwd().resolve()
-    if resolved in {Path(resolved.anchor), Path.home().resolve(), cwd, *cwd.parents}:
-        raise UsageError(
-            f"output directory {final} is the current, home or root directory or a parent of the current one; "
-            "give the stage a directory of its own, e.g. outputs/<stage>"
-        )
+    refuse_shared_dir(final, "output directory", "outputs/<stage>")
     for item in inputs:
+        if demo_cache_dir and isinstance(item, str) and item.startswith("demo://"):
+            from fitrl import demo  # imports this module: here, not at the top
+
+            item = demo.demo_dir(demo_cache_dir)  # every demo asset lives under it
         if item is None or not Path(item).expanduser().exists():  # hub ids are not paths
             continue
         source = Path(item).expanduser().resolve()
@@ -62,7 +78,10 @@ def check_output_dir(output_dir: str | Path, overwrite: bool, inputs: Iterable[s
 
 
 def _files(directory: Path) -> set[str]:
-    return {str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir()} - {OUTPUT_MARKER}
+    """What `directory` holds, as an overwrite must account for it: files, links (to folders too, which
+    are not followed) and empty folders."""
+    entries = {p for p in directory.rglob("*") if p.is_symlink() or not p.is_dir() or not any(p.iterdir())}
+    return {str(p.relative_to(directory)) for p in entries} - {OUTPUT_MARKER}
 
 
 def _check_replaceable(final: Path) -> None:
@@ -82,6 +101,28 @@ def _check_replaceable(final: Path) -> None:
         )
 
 
+def staging_dir(output_dir: str | Path) -> Path:
+    """Where `staged_output_dir` stages `output_dir`: what is written there ends up inside the output."""
+    final = Path(output_dir).expanduser().absolute()
+    return final.parent / f".{final.name}.partial"
+
+
+@contextmanager
+def output_lock(final: Path) -> Iterator[None]:
+    """Hold `final`'s lock (`.<name>.lock` beside it) for a run: a second run on the same output is
+    refused with one line, instead of sharing its staging directory and mixing both runs' files."""
+    import fcntl
+
+    with (final.parent / f".{final.name}.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                f"output directory {final} is in use by another run; wait for it to finish or pick another output_dir"
+            ) from None
+        yield
+
+
 @contextmanager
 def staged_output_dir(output_dir: str | Path, overwrite: bool = False, stage: str = "") -> Iterator[Path]:
     """Yield a staging directory that replaces `output_dir` only if the block finishes without error.
@@ -92,27 +133,34 @@ def staged_output_dir(output_dir: str | Path, overwrite: bool = False, stage: st
     """
     state = process_state()
     final = check_output_dir(output_dir, overwrite)
-    staging = final.parent / f".{final.name}.partial"
-    if state.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-    state.wait_for_everyone()
-    try:
-        yield staging
-    except BaseException:
+    staging = staging_dir(final)
+    with contextlib.ExitStack() as held:
         if state.is_main_process:
+            held.enter_context(output_lock(final))
             shutil.rmtree(staging, ignore_errors=True)
-        raise
-    state.wait_for_everyone()
-    if state.is_main_process:
-        marker = {"fitrl_stage": stage, "files": sorted(_files(staging))}
-        (staging / OUTPUT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        if final.exists():
-            if any(final.iterdir()):
-                _check_replaceable(final)  # nothing foreign may have appeared while the stage ran
-            shutil.rmtree(final)
-        staging.rename(final)
-    state.wait_for_everyone()
+            staging.mkdir()
+        state.wait_for_everyone()
+        try:
+            yield staging
+        except BaseException:
+            if state.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise
+        state.wait_for_everyone()
+        if state.is_main_process:
+            _publish(staging, final, stage)
+        state.wait_for_everyone()
+
+
+def _publish(staging: Path, final: Path, stage: str) -> None:
+    """The finished staging directory, with its marker, in place of `final`."""
+    marker = {"fitrl_stage": stage, "files": sorted(_files(staging))}
+    (staging / OUTPUT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    if final.exists():
+        if any(final.iterdir()):
+            _check_replaceable(final)  # nothing foreign may have appeared while the stage ran
+        shutil.rmtree(final)
+    staging.rename(final)
 
 
 class MetricsLog:

@@ -28,44 +28,16 @@ import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from fitrl.config import UsageError, first_line
-from fitrl.memtrace import LAST_DECODE_STEP, PREFILL, TORCH_DTYPES, Workload, build, trace_step
-from fitrl.modeling import DEFAULT_LORA_TARGETS, GRPO_LORA_TARGETS
-from fitrl.rollout import generation_batch
+from fitrl.architectures import architecture
+from fitrl.config import UsageError, first_line, with_overrides
+from fitrl.demo import DemoArguments
+from fitrl.memtrace import LAST_DECODE_STEP, PREFILL, TORCH_DTYPES, build_trainable, trace_step
+from fitrl.modeling import DEFAULT_LORA_TARGETS, ModelArguments
+from fitrl.stages.base import Configs, Moves, Stage, config_of
+from fitrl.workload import Workload
 
-MODEL_CONFIGS = Path(__file__).parent / "model_configs"
-# Hub ids whose config.json ships with fitrl, so planning needs no download.
-KNOWN_MODELS = {
-    "EleutherAI/gpt-neox-20b": "gpt-neox-20b",
-    "meta-llama/Llama-3.2-1B": "llama-3.2-1b",
-    "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
-    "meta-llama/Llama-3.2-3B": "llama-3.2-3b",
-    "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
-    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
-    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
-    "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
-    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b",
-    "Qwen/Qwen2.5-1.5B": "qwen2.5-1.5b",
-    "Qwen/Qwen2.5-1.5B-Instruct": "qwen2.5-1.5b",
-    "Qwen/Qwen2.5-3B": "qwen2.5-3b",
-    "Qwen/Qwen2.5-3B-Instruct": "qwen2.5-3b",
-    "Qwen/Qwen2.5-7B": "qwen2.5-7b",
-    "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
-    "Qwen/Qwen2.5-14B": "qwen2.5-14b",
-    "Qwen/Qwen2.5-14B-Instruct": "qwen2.5-14b",
-    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
-    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
-    "Qwen/Qwen3-4B": "qwen3-4b",
-    "Qwen/Qwen3-8B": "qwen3-8b",
-    "mistralai/Mistral-7B-v0.1": "mistral-7b",
-    "mistralai/Mistral-7B-Instruct-v0.2": "mistral-7b",
-    "google/gemma-2-2b": "gemma-2-2b",
-    "google/gemma-2-2b-it": "gemma-2-2b",
-    "lvwerra/distilbert-imdb": "distilbert-imdb",
-}
 GiB = 2**30
 MiB = 2**20
 # Memory a GPU process holds outside torch's allocator (CUDA context, cuBLAS workspace): ~0.3-0.9 GiB
@@ -81,32 +53,6 @@ NF4_BLOCK = 64
 NF4_NESTED_BLOCK = 256
 PHASES = ["generation", "no-grad pass", "training step"]
 STATIC = ["weights", "trainable_params", "gradients", "optimizer_states", "reward_model"]
-
-
-def architecture(name_or_path: str, demo_cache_dir: str | None = None) -> Any:
-    """The `PretrainedConfig` of a model: a local directory, a demo asset, a shipped config or the hub cache."""
-    from transformers import AutoConfig
-
-    from fitrl import demo
-
-    if demo.is_demo_uri(name_or_path):
-        name_or_path = str(demo.resolve(name_or_path, demo_cache_dir or demo.DEFAULT_CACHE_DIR))
-    path = Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return AutoConfig.from_pretrained(path)
-    shipped = KNOWN_MODELS.get(name_or_path)
-    if shipped is not None:
-        values = json.loads((MODEL_CONFIGS / f"{shipped}.json").read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
-    except (OSError, ValueError):
-        pass
-    hint = "it does not exist yet" if path.is_absolute() or name_or_path.startswith(".") else "no config.json found"
-    raise UsageError(
-        f"cannot plan for model {name_or_path}: {hint}; give a local model directory, a hub id in the hub cache, "
-        f"or --architecture with a shipped one (e.g. EleutherAI/gpt-neox-20b; all {len(KNOWN_MODELS)}: docs/memory.md)"
-    )
 
 
 # --- static bytes -----------------------------------------------------------------------------------
@@ -153,7 +99,7 @@ def static_bytes(config: Any, w: Workload) -> dict[str, int]:
 def _static_bytes(config_json: str, w: Workload) -> tuple[tuple[str, int], ...]:
     from fitrl.memtrace import KbitLinearStandIn
 
-    model = build(_config_from_json(config_json), w, "meta")
+    model = build_trainable(_config_from_json(config_json), w, "meta")
     seen: set[int] = set()
     weights = trainable = 0
     trainable_params = []
@@ -202,7 +148,7 @@ def reward_model_bytes(name_or_path: str | None, demo_cache_dir: str | None = No
 @functools.lru_cache(maxsize=256)
 def _traced(config_json: str, w: Workload, num_layers: int) -> tuple[tuple[str, int], ...]:
     config = _config_from_json(config_json)
-    model = build(config, w, "meta", num_layers=num_layers)
+    model = build_trainable(config, w, "meta", num_layers=num_layers)
     return tuple(trace_step(model, w, "meta", every_decode_step=False).items())
 
 
@@ -340,7 +286,7 @@ def trace_full_depth(config: Any, w: Workload) -> dict[str, int]:
     """`--trace`: the whole architecture on `meta`, every phase at full length; total bytes per phase."""
     static = static_bytes(config, w)
     held = static["weights"] + static["trainable_params"] + static["optimizer_states"]
-    model = build(config, w, "meta")
+    model = build_trainable(config, w, "meta")
     return {phase: held + b for phase, b in trace_step(model, w, "meta").items()}
 
 
@@ -394,92 +340,31 @@ def _describe(w: Workload) -> str:
     return f"{base}, {tune}, {w.optimizer}{ckpt}, micro-batch {w.micro_batch} x {w.seq_len} tokens"
 
 
-# --- from a stage's settings ------------------------------------------------------------------------
-
-
-def workload(
-    stage: str, settings: dict[str, Any], model_type: str, on_gpu: bool = True, world_size: int = 1
-) -> Workload:
-    """The `Workload` of a stage from its resolved settings (the flat keys of its YAML config)."""
-    dtype = settings.get("dtype", "auto")
-    if dtype == "auto":
-        dtype = "bfloat16" if on_gpu else "float32"
-    targets = settings.get("lora_target_modules") or (
-        GRPO_LORA_TARGETS if stage == "grpo" else DEFAULT_LORA_TARGETS
-    ).get(model_type, ["all-linear"])
-    common = {
-        "stage": stage,
-        "quantization": settings.get("quantization", "none"),
-        "dtype": dtype,
-        "lora_r": settings.get("lora_r", 16),
-        "lora_targets": tuple(targets),
-        "gradient_checkpointing": bool(settings.get("gradient_checkpointing", False)),
-        "int8_keeps_input": on_gpu,
-    }
-    if stage == "sft":
-        return Workload(
-            **common,
-            optimizer=settings["optim"],
-            micro_batch=settings["per_device_train_batch_size"],
-            completion_len=settings["block_size"],
-        )
-    if stage == "ppo":
-        return Workload(
-            **common,
-            optimizer=settings["optimizer"],
-            micro_batch=settings["mini_batch_size"] // settings["gradient_accumulation_steps"],
-            prompt_len=settings["query_max_tokens"],
-            completion_len=settings["response_max_tokens"],
-            gen_batch=generation_batch(
-                settings.get("generation_batch_size"), settings["forward_batch_size"], settings["batch_size"]
-            ),
-            nograd_batch=min(settings["forward_batch_size"], settings["batch_size"]),
-            reference_pass=True,
-            value_head=True,
-        )
-    if stage == "grpo":
-        micro = settings["per_device_train_batch_size"]
-        steps = settings.get("steps_per_generation") or settings["gradient_accumulation_steps"]
-        return Workload(
-            **common,
-            optimizer=settings["optim"],
-            micro_batch=micro,
-            prompt_len=settings["max_prompt_length"],
-            completion_len=settings["max_completion_length"],
-            gen_batch=settings.get("generation_batch_size") or micro * world_size * steps,
-            reference_pass=settings.get("beta", 0.0) > 0,
-            temperature=settings.get("temperature", 1.0),
-        )
-    raise UsageError(f"cannot plan stage {stage!r}: choose sft, ppo or grpo")
+# --- from a stage's configs ------------------------------------------------------------------------
 
 
 def plan_stage(
-    stage: str,
-    settings: dict[str, Any],
+    stage: Stage,
+    configs: Configs,
     config: Any,
     *,
     gpu_memory_bytes: int = 24 * GiB,
     finetuning: str = "lora",
     on_gpu: bool = True,
     world_size: int = 1,
-    demo_cache_dir: str | None = None,
 ) -> Plan:
-    """The plan for a stage run with `settings` on the architecture `config`."""
-    w = replace(workload(stage, settings, config.model_type, on_gpu, world_size), finetuning=finetuning)
+    """The plan for `stage` run with its filled `configs` on the architecture `config`."""
+    if stage.memory is None:
+        raise UsageError(f"cannot plan stage {stage.name!r}: it trains nothing; plan a training stage")
+    w = replace(stage.memory.workload(configs, config.model_type, on_gpu, world_size), finetuning=finetuning)
     check_workload(w, config)
-    groups = settings.get("num_generations")
-    if stage == "grpo" and w.gen_batch % groups:
-        raise UsageError(
-            f"invalid value for 'num_generations': the generation batch ({w.gen_batch} completions: "
-            f"per_device_train_batch_size x processes x steps) must be a multiple of it (got {groups})"
-        )
-    reward = reward_model_bytes(settings.get("reward_model"), demo_cache_dir) if stage == "ppo" else 0
+    demo_cache_dir = config_of(configs, DemoArguments).demo_cache_dir
     return plan(
         config,
         w,
-        model=settings.get("model_name_or_path", ""),
+        model=config_of(configs, ModelArguments).model_name_or_path,
         gpu_memory_bytes=gpu_memory_bytes,
-        reward_bytes=reward,
+        reward_bytes=reward_model_bytes(stage.memory.reward_model(configs), demo_cache_dir),
         on_gpu=on_gpu,
     )
 
@@ -525,68 +410,36 @@ def build_skeleton(config: Any) -> Any:
 
 # --- what to change -------------------------------------------------------------------------------
 
-OPTIMIZER_KEY = {"sft": "optim", "ppo": "optimizer", "grpo": "optim"}
-EIGHT_BIT_OPTIMIZER = {"sft": "adamw_bnb_8bit", "ppo": "adamw_8bit", "grpo": "paged_adamw_8bit"}
 
-
-def _moves(stage: str, s: dict[str, Any], model_type: str) -> list[tuple[str, dict[str, Any]]]:
-    """One-step changes of the settings `s` that save memory, each with its name, cheapest first."""
-    moves: list[tuple[str, dict[str, Any]]] = []
-    attention_only = DEFAULT_LORA_TARGETS.get(model_type)
-    if not s.get("gradient_checkpointing"):
+def _moves(stage: Stage, configs: Configs, model_type: str, world_size: int) -> Moves:
+    """One-step changes of `configs` that save memory, each with its name, cheapest first: the ones
+    every stage shares (read off its workload) around the stage's own batch and shape moves."""
+    memory = stage.memory
+    w = memory.workload(configs, model_type, True, world_size)
+    moves: Moves = []
+    if not w.gradient_checkpointing:
         moves.append(("checkpointing", {"gradient_checkpointing": True}))
-    opt = OPTIMIZER_KEY[stage]
-    if "8bit" not in str(s[opt]) and s[opt] != "adafactor":
-        moves.append(("optimizer", {opt: EIGHT_BIT_OPTIMIZER[stage]}))
-    moves += _batch_moves(stage, s)
-    quant = {"none": "8bit", "8bit": "4bit"}.get(s.get("quantization", "none"))
+    if "8bit" not in w.optimizer and w.optimizer != "adafactor":
+        moves.append(("optimizer", {memory.optimizer_key: memory.eight_bit_optimizer}))
+    moves += memory.batch_moves(configs)
+    quant = {"none": "8bit", "8bit": "4bit"}.get(w.quantization)
     if quant:
         moves.append(("quantization", {"quantization": quant}))
-    if stage == "grpo" and s["num_generations"] > 2:
-        moves.append(("generations", {"num_generations": s["num_generations"] // 2}))
-    if stage == "grpo" and s["max_completion_length"] > 64:
-        moves.append(("completion length", {"max_completion_length": s["max_completion_length"] * 3 // 4}))
-    if stage == "sft" and s["block_size"] > 64:
-        moves.append(("block size", {"block_size": s["block_size"] // 2}))
-    targets = s.get("lora_target_modules") or (GRPO_LORA_TARGETS if stage == "grpo" else DEFAULT_LORA_TARGETS).get(
-        model_type
-    )
-    if attention_only and targets and set(targets) != set(attention_only):  # fewer adapted layers, fewer saved inputs
+    moves += memory.shape_moves(configs)
+    attention_only = DEFAULT_LORA_TARGETS.get(model_type)
+    if attention_only and set(w.lora_targets) != set(attention_only):  # fewer adapted layers, fewer saved inputs
         moves.append(("LoRA targets", {"lora_target_modules": list(attention_only)}))
     return moves
 
 
-def _batch_moves(stage: str, s: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Fewer sequences per pass, the same effective batch."""
-    if stage in ("sft", "grpo"):
-        if s["per_device_train_batch_size"] > 1:
-            return [("micro-batch", _halve_micro(s, "per_device_train_batch_size"))]
-        return []
-    moves = []
-    micro = s["mini_batch_size"] // s["gradient_accumulation_steps"]
-    if micro > 1 and micro % 2 == 0:
-        moves.append(("micro-batch", {"gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}))
-    if s["forward_batch_size"] > 1:
-        moves.append(("no-grad batch", {"forward_batch_size": s["forward_batch_size"] // 2}))
-    if (s.get("generation_batch_size") or 0) > 1:
-        moves.append(("generation batch", {"generation_batch_size": s["generation_batch_size"] // 2}))
-    return moves
-
-
-def _halve_micro(s: dict[str, Any], key: str) -> dict[str, Any]:
-    # Half the sequences per pass, twice the passes: the same effective batch.
-    return {key: s[key] // 2, "gradient_accumulation_steps": s["gradient_accumulation_steps"] * 2}
-
-
 def suggest(
-    stage: str,
-    settings: dict[str, Any],
+    stage: Stage,
+    configs: Configs,
     config: Any,
     *,
     gpu_memory_bytes: int,
     finetuning: str = "lora",
     world_size: int = 1,
-    demo_cache_dir: str | None = None,
     limit: int = 3,
     budget: int = 40,
 ) -> list[dict[str, Any]]:
@@ -597,7 +450,7 @@ def suggest(
     for _depth in range(4):
         next_frontier: list[dict[str, Any]] = []
         for overrides in frontier:
-            for _name, change in _moves(stage, {**settings, **overrides}, config.model_type):
+            for _name, change in _moves(stage, with_overrides(configs, overrides), config.model_type, world_size):
                 candidate = {**overrides, **change}
                 if candidate in next_frontier or any(f["overrides"].items() <= candidate.items() for f in found):
                     continue
@@ -606,12 +459,11 @@ def suggest(
                     return found
                 p = plan_stage(
                     stage,
-                    {**settings, **candidate},
+                    with_overrides(configs, candidate),
                     config,
                     gpu_memory_bytes=gpu_memory_bytes,
                     finetuning=finetuning,
                     world_size=world_size,
-                    demo_cache_dir=demo_cache_dir,
                 )
                 if p.fits:
                     found.append({"overrides": candidate, "peak_bytes": p.peak_bytes})
@@ -623,13 +475,13 @@ def suggest(
     return found
 
 
-def planned_peak_mb(stage: str, settings: dict[str, Any], model_path: str, world_size: int = 1) -> float | None:
+def planned_peak_mb(stage: Stage, configs: Configs, model_path: str, world_size: int = 1) -> float | None:
     """A stage's own plan, in MiB of tensors (what the run measures beside it); None where it cannot plan."""
     import torch
 
     try:
         config = architecture(model_path)
-        p = plan_stage(stage, settings, config, on_gpu=torch.cuda.is_available(), world_size=world_size)
+        p = plan_stage(stage, configs, config, on_gpu=torch.cuda.is_available(), world_size=world_size)
     except Exception as e:  # the plan is a report: it must never stop a run that got this far
         print(f"note: no memory plan for this run ({first_line(e)})")
         return None

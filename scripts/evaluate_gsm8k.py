@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
-from fitrl.config import UsageError, check, entrypoint, help_field, parse_config, save_run_config
+from fitrl.checkpoints import check_adapter_base
+from fitrl.config import UsageError, entrypoint, save_run_config
 from fitrl.data import split_name
-from fitrl.demo import DemoArguments
 from fitrl.gsm8k import (
-    GSM8KDataArguments,
     add_prompts,
     failure_kind,
     fewshot_examples,
@@ -36,43 +35,11 @@ from fitrl.gsm8k import (
     load_accuracy_metric,
     load_problems,
 )
-from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats
-
-
-@dataclass
-class EvalArguments:
-    """What to evaluate and how to decode."""
-
-    adapter: str | None = help_field(None, "LoRA adapter directory (a GRPO output) on the model; null: none.")
-    output_dir: str = help_field("outputs/eval_gsm8k", "Where completions.jsonl and summary.json go.")
-    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
-    num_samples: int = help_field(
-        1, "Completions per problem: 1 at temperature 0 is greedy accuracy; k > 1 gives pass@k."
-    )
-    temperature: float = help_field(0.0, "0: greedy decoding; > 0: sampling at this temperature (needed for k > 1).")
-    max_new_tokens: int = help_field(786, "Longest completion in tokens.")
-    batch_size: int = help_field(64, "Problems per generation batch.")
-    num_fewshot: int = help_field(
-        0, "Solved train problems shown before each question (published base-model baselines use 8)."
-    )
-    fewshot_seed: int = help_field(1234, "Which train problems the few-shot examples are.")
-    compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
-    seed: int = help_field(0, "Random seed of the sampling.")
-    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
-
-    def validate(self) -> None:
-        check(self.num_samples >= 1, "num_samples", ">= 1")
-        check(self.temperature >= 0, "temperature", ">= 0")
-        check(self.num_samples == 1 or self.temperature > 0, "temperature", "> 0 when num_samples > 1 (pass@k samples)")
-        check(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
-        check(self.batch_size >= 1, "batch_size", ">= 1")
-        check(self.num_fewshot >= 0, "num_fewshot", ">= 0")
-
-
-CONFIG_TYPES = [ModelArguments, GSM8KDataArguments, EvalArguments, DemoArguments]
+from fitrl.stages.eval_gsm8k import STAGE
 
 
 def check_adapter(adapter: str | None) -> Path | None:
@@ -84,16 +51,25 @@ def check_adapter(adapter: str | None) -> Path | None:
     return path
 
 
-@entrypoint
-def main(argv: list[str] | None = None) -> None:
-    model_args, data_args, args, demo_args = parse_config(CONFIG_TYPES, argv)
+@dataclass
+class Inputs:
+    """What the evaluation reads, checked before the model loads."""
 
+    model_path: str
+    adapter: Path | None
+    tokenizer: Any
+    dataset: Any  # problems with their chat prompts
+    skipped: list[dict[str, Any]]
+    n_too_long: int
+
+
+def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inputs:
     inputs = [args.adapter, model_args.model_name_or_path, data_args.dataset]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     adapter = check_adapter(args.adapter)
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
-        check_adapter_base(adapter, model_args.model_name_or_path, model_path, "eval_gsm8k", args.force, "grpo")
+        check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, STAGE.reads[1])
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
@@ -102,61 +78,75 @@ def main(argv: list[str] | None = None) -> None:
     dataset, n_too_long = add_prompts(
         problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length, examples
     )
+    return Inputs(model_path, adapter, tokenizer, dataset, skipped, n_too_long)
 
+
+def load_model(model_args: Any, inputs: Inputs) -> Any:
+    model = load_causal_lm(
+        model_args, path=inputs.model_path, for_training=False, pad_token_id=inputs.tokenizer.pad_token_id
+    )
+    if inputs.adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(inputs.adapter))
+    return model.eval()
+
+
+def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[str, Any], dict[str, Any] | None]:
+    """The completions with the adapter, their scores, and the scores with the adapter off (if asked)."""
     import torch
     from tqdm.auto import tqdm
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval_gsm8k") as out:
-        model = load_causal_lm(model_args, path=model_path, for_training=False, pad_token_id=tokenizer.pad_token_id)
-        if adapter is not None:
-            from peft import PeftModel
+    metric, golds = load_accuracy_metric(), inputs.dataset["gold"]
 
-            model = PeftModel.from_pretrained(model, str(adapter))
-        model.eval()
+    def complete(desc: str) -> list[list[str]]:
+        torch.manual_seed(args.seed)  # the base and the adapter see the same sampling noise
+        with tqdm(total=len(inputs.dataset), desc=desc, unit="problem") as bar:
+            return complete_chats(
+                model,
+                inputs.tokenizer,
+                inputs.dataset["prompt"],
+                args.max_new_tokens,
+                num_samples=args.num_samples,
+                temperature=args.temperature,
+                batch_size=args.batch_size,
+                progress=bar,
+            )
 
-        metric = load_accuracy_metric()
+    completions = complete("with adapter" if inputs.adapter else "generating")
+    scores = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
+    base_scores = None
+    if inputs.adapter is not None and args.compare_to_base:
+        with model.disable_adapter():
+            base_completions = complete("adapter off")
+        base_scores = {**metric.compute(predictions=base_completions, references=golds)}
+        base_scores.update(grade(base_completions, golds))
+    return completions, scores, base_scores
 
-        def complete(desc: str) -> list[list[str]]:
-            torch.manual_seed(args.seed)  # the base and the adapter see the same sampling noise
-            with tqdm(total=len(dataset), desc=desc, unit="problem") as bar:
-                return complete_chats(
-                    model,
-                    tokenizer,
-                    dataset["prompt"],
-                    args.max_new_tokens,
-                    num_samples=args.num_samples,
-                    temperature=args.temperature,
-                    batch_size=args.batch_size,
-                    progress=bar,
-                )
 
-        completions = complete("with adapter" if adapter else "generating")
-        golds = dataset["gold"]
-        scores = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
-        base_scores = None
-        if adapter is not None and args.compare_to_base:
-            with model.disable_adapter():
-                base_completions = complete("adapter off")
-            base_scores = {**metric.compute(predictions=base_completions, references=golds)}
-            base_scores.update(grade(base_completions, golds))
-        write_completions(out / "completions.jsonl", dataset, completions)
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    model_args, data_args, args, demo_args = STAGE.parse(argv)
+    inputs = preflight(model_args, data_args, args, demo_args)
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
+        completions, scores, base_scores = score(load_model(model_args, inputs), inputs, args)
+        write_completions(out / "completions.jsonl", inputs.dataset, completions)
         summary = {
             "model": model_args.model_name_or_path,
-            "adapter": str(adapter) if adapter else None,
+            "adapter": str(inputs.adapter) if inputs.adapter else None,
             "dataset": data_args.dataset,
             "split": split_name(data_args.dataset, data_args.dataset_split),
             "num_fewshot": args.num_fewshot,
-            "problems": len(dataset),
-            "skipped_non_numeric_gold": len(skipped),
-            "dropped_long_prompts": n_too_long,
+            "problems": len(inputs.dataset),
+            "skipped_non_numeric_gold": len(inputs.skipped),
+            "dropped_long_prompts": inputs.n_too_long,
             "decoding": "greedy" if args.temperature == 0 else f"sampled, temperature {args.temperature}",
             **scores,
             "without_adapter": base_scores,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         save_run_config(out, model_args, data_args, args, demo_args)
-
-    print_summary(summary, skipped, args.output_dir, data_args.max_prompt_length)
+    print_summary(summary, inputs.skipped, args.output_dir, data_args.max_prompt_length)
 
 
 def write_completions(path: Path, dataset: Any, completions: list[list[str]]) -> None:

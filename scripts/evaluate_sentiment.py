@@ -15,23 +15,19 @@ side-by-side samples) and `reward_hist.png`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from fitrl.config import UsageError, check, entrypoint, help_field, load_run_config, parse_config, save_run_config
+from fitrl.checkpoints import check_adapter_base
+from fitrl.config import UsageError, entrypoint, save_run_config
 from fitrl.data import load_texts
-from fitrl.demo import DemoArguments
-from fitrl.modeling import ModelArguments, check_adapter_base, load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
     LEXICON_JUDGE,
-    PromptArguments,
-    RewardArguments,
     SentimentJudge,
     SentimentReward,
     build_queries,
@@ -39,34 +35,7 @@ from fitrl.sentiment import (
     corpus_vocabulary,
     corpus_word_share,
 )
-
-
-@dataclass
-class EvalArguments:
-    """What to evaluate and where the report goes."""
-
-    adapter_dir: str = help_field("outputs/ppo", "The PPO stage's output directory (the policy adapter).")
-    output_dir: str = help_field("outputs/eval", "Where eval.json, eval.md and reward_hist.png go.")
-    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
-    n_prompts: int = help_field(128, "Held-out prompts to answer.")
-    batch_size: int = help_field(32, "Prompts per generation batch.")
-    n_samples_shown: int = help_field(6, "Side-by-side samples in eval.md.")
-    seed: int = help_field(1234, "Seed of the query lengths, response lengths and sampling.")
-    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
-    judge_model: str | None = help_field(
-        None,
-        "A second sentiment judge the policy never trained against, reported beside the reward: a sequence "
-        "classifier (hub id or local dir) or demo://lexicon (the demo corpus's own rule reader). Empty: none.",
-    )
-    judge_positive_label: str = help_field("POSITIVE", "The judge classifier's positive label.")
-
-    def validate(self) -> None:
-        check(self.n_prompts >= 1, "n_prompts", ">= 1")
-        check(self.batch_size >= 1, "batch_size", ">= 1")
-        check(self.n_samples_shown >= 0, "n_samples_shown", ">= 0")
-
-
-CONFIG_TYPES = [ModelArguments, PromptArguments, RewardArguments, EvalArguments, DemoArguments]
+from fitrl.stages.eval_sentiment import STAGE
 
 
 def summary(scores: torch.Tensor) -> dict[str, float]:
@@ -82,27 +51,9 @@ def summary(scores: torch.Tensor) -> dict[str, float]:
     }
 
 
-def ppo_settings(argv: list[str] | None) -> dict:
-    """The model, prompt and reward settings the PPO run wrote to its `run_config.yaml`.
-
-    The evaluation answers prompts the way the policy was trained to, unless the config or a flag
-    says otherwise; only the split (held-out prompts) and the number of prompts are its own.
-    """
-    (*_, eval_args, _demo) = parse_config(CONFIG_TYPES, argv)
-    trained = load_run_config(Path(eval_args.adapter_dir).expanduser())
-    inherited = {f.name for t in (ModelArguments, PromptArguments, RewardArguments) for f in dataclasses.fields(t)}
-    inherited -= {"dataset_split", "max_prompts"}
-    return {k: v for k, v in trained.items() if k in inherited}
-
-
-def resolve_config(argv: list[str] | None) -> tuple:
-    """The evaluation's settings: its config and flags over what the PPO run was trained with."""
-    return parse_config(CONFIG_TYPES, argv, ppo_settings(argv))
-
-
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
-    model_args, prompt_args, reward_args, args, demo_args = resolve_config(argv)
+    model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
     adapter_dir, model_path = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)[: args.n_prompts]
@@ -121,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     corpus = load_texts(prompt_args.dataset, "train", prompt_args.text_column, demo_args.demo_cache_dir)
     vocabulary = corpus_vocabulary(corpus)
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="eval") as out:
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
         rows = answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device)
         report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -136,12 +87,14 @@ def main(argv: list[str] | None = None) -> None:
 def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Path, str]:
     """Every input checked before a weight loads: the output dir, the adapter, its base, the reward label."""
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not (adapter_dir / "adapter_config.json").is_file():
         raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, "eval", args.force, producer="ppo")
+    check_adapter_base(
+        adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer=STAGE.reads[1]
+    )
     check_reward_label(
         resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
         reward_args.positive_label,

@@ -26,25 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
-from fitrl.config import (
-    UsageError,
-    check,
-    config_dict,
-    entrypoint,
-    first_line,
-    help_field,
-    parse_config,
-    save_run_config,
-    save_run_info,
-)
+from fitrl.config import UsageError, config_dict, entrypoint, first_line
 from fitrl.demo import DemoArguments
-from fitrl.distributed import check_ranks_in_sync, cpu_only
+from fitrl.distributed import cpu_only
+from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.hf_trainer import (
     checkpoint_extras,
@@ -63,18 +54,11 @@ from fitrl.modeling import (
     lora_config,
     resolve_model_path,
 )
-from fitrl.outputs import (
-    METRICS_NAME,
-    MetricsLog,
-    check_output_dir,
-    metrics_callback,
-    plot_curves,
-    read_jsonl,
-    staged_output_dir,
-)
+from fitrl.outputs import METRICS_NAME, MetricsLog, check_output_dir, metrics_callback, read_jsonl, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
+from fitrl.stages.grpo import STAGE, GRPOArguments
 
 # GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
 GRPO_SETTINGS = [
@@ -103,90 +87,46 @@ CURVES = [
 
 
 @dataclass
-class GRPOArguments:
-    """Training settings of the GRPO stage (defaults: the Llama-1B blog's)."""
+class Run:
+    """What lives for the whole run: configs, the problems as prompts, the trainer once built."""
 
-    output_dir: str = help_field("outputs/grpo", "Where the adapter, config, metrics, curves and samples go.")
-    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
-    learning_rate: float = help_field(5e-6, "Peak learning rate of the LoRA weights.")
-    adam_beta1: float = help_field(0.9, "AdamW beta1.")
-    adam_beta2: float = help_field(0.99, "AdamW beta2.")
-    weight_decay: float = help_field(0.1, "AdamW weight decay.")
-    warmup_ratio: float = help_field(0.1, "Fraction of the steps spent warming the learning rate up.")
-    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = help_field(
-        "cosine", "Learning-rate schedule."
-    )
-    max_grad_norm: float = help_field(0.1, "Clip the gradient norm to this.")
-    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = help_field(
-        "adamw_torch", "Optimizer; the 8-bit and paged ones (bitsandbytes) keep Adam's state small or pageable."
-    )
-    num_train_epochs: float = help_field(1.0, "Passes over the problems (ignored when max_steps > 0).")
-    max_steps: int = help_field(-1, "Stop after this many optimizer steps (-1: run num_train_epochs).")
-    per_device_train_batch_size: int = help_field(4, "Completions per device per forward/backward pass.")
-    gradient_accumulation_steps: int = help_field(1, "Passes summed into one optimizer step.")
-    num_generations: int = help_field(4, "Completions sampled per question: the group GRPO normalises over.")
-    max_completion_length: int = help_field(786, "Longest completion in tokens.")
-    temperature: float = help_field(1.0, "Sampling temperature of the completions.")
-    steps_per_generation: int | None = help_field(
-        None, "Optimizer steps each generated batch serves (empty: gradient_accumulation_steps)."
-    )
-    generation_batch_size: int | None = help_field(
-        None, "Completions generated at once (empty: per_device_train_batch_size x processes x steps_per_generation)."
-    )
-    num_iterations: int = help_field(1, "Passes over each generated batch (GRPO's mu); > 1 clips the ratio.")
-    epsilon: float = help_field(0.2, "Clip range of the policy ratio when num_iterations > 1.")
-    beta: float = help_field(0.0, "KL penalty to the reference (adapter off); 0 skips the reference pass entirely.")
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = help_field(
-        "dapo", "How token losses are averaged: 'grpo' per sequence (length-biased), 'dapo' per token."
-    )
-    gradient_checkpointing: bool = help_field(True, "Recompute activations in backward: far less memory, ~30% slower.")
-    use_vllm: bool = help_field(False, "Generate with vLLM colocated on the GPU (needs vllm installed and CUDA).")
-    vllm_gpu_memory_utilization: float = help_field(0.3, "Share of the GPU vLLM may take when use_vllm is on.")
-    logging_steps: int = help_field(1, "Log (metrics.jsonl, progress bar) every this many steps.")
-    save_steps: int = help_field(0, "Save a resumable checkpoint every this many steps (0: none).")
-    resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
-    num_samples_to_show: int = help_field(4, "Questions whose greedy completions are shown before and after.")
-    report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
-    seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
+    model_args: ModelArguments
+    lora_args: LoraArguments
+    data_args: GSM8KDataArguments
+    args: GRPOArguments
+    demo_args: DemoArguments
+    model_path: str
+    tokenizer: Any
+    dataset: Any  # problems with their chat prompts
+    details: dict[str, Any]  # what preflight found, for run_info.json
+    resume: str | None
+    checkpoints_existed: bool
+    training_args: Any = None  # trl's GRPOConfig
+    planned_peak_mb: float | None = None
+    out: Path | None = None
+    trainer: Any = None
+    metrics: MetricsLog | None = None
+    shown: Any = None  # the problems whose greedy completions are shown before and after
+    samples_before: list[str] = field(default_factory=list)
+    step_peak: StepPeak = field(default_factory=StepPeak)
 
-    def validate(self) -> None:
-        check(self.learning_rate > 0, "learning_rate", "> 0")
-        check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
-        check(self.max_completion_length >= 1, "max_completion_length", ">= 1")
-        check(self.temperature > 0, "temperature", "> 0")
-        check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
-        check(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
-        check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "-1 or >= 1")
-        check(self.beta >= 0, "beta", ">= 0")
-        check(self.num_iterations >= 1, "num_iterations", ">= 1")
-        check(self.epsilon > 0, "epsilon", "> 0")
-        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
-        check(self.save_steps >= 0, "save_steps", ">= 0")
-        check(self.num_samples_to_show >= 0, "num_samples_to_show", ">= 0")
+    @property
+    def configs(self) -> tuple[Any, ...]:
+        return (self.model_args, self.lora_args, self.data_args, self.args, self.demo_args)
+
+    @property
+    def is_main(self) -> bool:
+        return self.training_args.process_index == 0
 
 
-CONFIG_TYPES = [ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments, DemoArguments]
-
-
-def samples_markdown(questions: list[str], golds: list[str], before: list[str], after: list[str]) -> str:
-    parts = ["# Greedy completions before and after GRPO\n"]
-    for i, (q, g, b, a) in enumerate(zip(questions, golds, before, after)):
-        parts.append(f"## {i + 1}. {q}\n\ngold: {g}\n\nbefore:\n```\n{b}\n```\n\nafter:\n```\n{a}\n```\n")
-    return "\n".join(parts)
-
-
-@entrypoint
-def main(argv: list[str] | None = None) -> None:
-    configs = parse_config(CONFIG_TYPES, argv)
+def preflight(configs: tuple[Any, ...]) -> Run:
+    """Every input checked before the model loads (a typo should cost a second); the problems as prompts."""
     model_args, lora_args, data_args, args, demo_args = configs
-
-    # Every input is checked before the model loads: a typo should cost a second.
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs)
-    resume_path = resume_checkpoint(
-        args.resume_from_checkpoint, args.output_dir, "checkpoint", "GRPO", config_dict(*configs)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    resume = resume_checkpoint(
+        args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "GRPO", config_dict(*configs)
     )
-    resume = str(resume_path) if resume_path else None
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
@@ -195,84 +135,101 @@ def main(argv: list[str] | None = None) -> None:
     dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
     if args.use_vllm and cpu_only():
         raise UsageError("use_vllm needs a CUDA GPU; set use_vllm false on this machine")
-
-    from peft import get_peft_model_state_dict
-    from transformers import set_seed
-    from trl import GRPOTrainer
-
-    training_args = grpo_config(args, model_args)
-    is_main = training_args.process_index == 0
-    planned_mb, step_peak = (
-        planned_peak_mb("grpo", config_dict(*configs), model_path, training_args.world_size),
-        StepPeak(),
-    )
-    if is_main:
+    details = {
+        "problems": len(dataset),
+        "skipped_non_numeric_gold": skipped,
+        "dropped_long_prompts": n_too_long,
+        "plain_chat_template": plain_template,
+    }
+    run = Run(*configs, model_path, tokenizer, dataset, details, str(resume) if resume else None, checkpoints_existed)
+    run.training_args = grpo_config(args, model_args)
+    run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, run.training_args.world_size)
+    if run.is_main:
         print(
             f"GRPO: {len(dataset)} problems from {data_args.dataset} ({len(skipped)} skipped: gold not a number, "
             f"{n_too_long} dropped: prompt over {data_args.max_prompt_length} tokens)"
         )
         for row in skipped[:5]:
             print(f"  skipped row {row['row']}: gold answer {row['gold']!r} is not a number")
+    return run
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="grpo") as out:
-        model, peft_config, targets = load_base_and_lora(model_args, lora_args, args, model_path, tokenizer)
 
-        shown = dataset.select(range(min(args.num_samples_to_show, len(dataset))))
-        samples_before = [c[0] for c in complete_chats(model, tokenizer, shown["prompt"], args.max_completion_length)]
+def build(run: Run) -> None:
+    """The frozen base, greedy samples before training, and trl's `GRPOTrainer` with fitrl's rewards."""
+    from transformers import set_seed
+    from trl import GRPOTrainer
 
-        metrics = start_metrics(out, is_main, resume)
-        set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=list(REWARD_FUNCTIONS.values()),
-            args=training_args,
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-            callbacks=[
-                metrics_callback(metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
-                checkpoint_extras(configs, metrics),
-                step_peak_callback(step_peak),
-            ],
-        )
-        keep_adapter_in_float32(trainer, model_args)
-        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-        quiet_progress(trainer)
-        trainer.train(resume_from_checkpoint=resume)
-        if resume is not None:
-            correct_train_loss(metrics, int(Path(resume).name.rpartition("-")[2]))
-        if not checkpoints_existed and args.save_steps == 0 and is_main:
-            with contextlib.suppress(OSError):  # the trainer made it; nothing was saved into it
-                checkpoint_root(args.output_dir).rmdir()
+    args = run.args
+    model, peft_config, run.details["lora_target_modules"] = load_base_and_lora(
+        run.model_args, run.lora_args, args, run.model_path, run.tokenizer
+    )
+    run.shown = run.dataset.select(range(min(args.num_samples_to_show, len(run.dataset))))
+    run.samples_before = [
+        c[0] for c in complete_chats(model, run.tokenizer, run.shown["prompt"], args.max_completion_length)
+    ]
+    run.metrics = start_metrics(run.out, run.is_main, run.resume)
+    set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
+    run.trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=list(REWARD_FUNCTIONS.values()),
+        args=run.training_args,
+        train_dataset=run.dataset,
+        processing_class=run.tokenizer,
+        peft_config=peft_config,
+        callbacks=[
+            metrics_callback(run.metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
+            checkpoint_extras(run.configs, run.metrics),
+            step_peak_callback(run.step_peak),
+        ],
+    )
+    keep_adapter_in_float32(run.trainer, run.model_args)
+    quiet_progress(run.trainer)
 
-        # Under DDP every rank must end with the same adapter: check it rather than assume it.
-        policy = trainer.accelerator.unwrap_model(trainer.model)
-        digests = check_ranks_in_sync(get_peft_model_state_dict(policy), "LoRA adapter weights")
-        if trainer.is_world_process_zero():
-            samples_after = [
-                c[0] for c in complete_chats(policy, tokenizer, shown["prompt"], args.max_completion_length)
-            ]
-            trainer.save_model(str(out))
-            tokenizer.save_pretrained(out)
-            save_run_config(out, model_args, lora_args, data_args, args, demo_args)
-            (out / "samples.md").write_text(
-                samples_markdown(shown["question"], shown["gold"], samples_before, samples_after)
-            )
-            info = {
-                "stage": "grpo",
-                "resolved_model_path": model_path,
-                "problems": len(dataset),
-                "skipped_non_numeric_gold": skipped,
-                "dropped_long_prompts": n_too_long,
-                "plain_chat_template": plain_template,
-                "lora_target_modules": targets,
-                "trainable_parameters": trainable,
-                "memory": memory_report(planned_mb, step_peak),
-                "world_size": training_args.world_size,
-                "resumed_from": resume,
-                "rank_adapter_digests": digests,
-            }
-            report(out, info, metrics.rows, samples_after, model_args, args)
+
+def train(run: Run) -> None:
+    """trl's loop, from the checkpoint to resume from if any; the run's loss over all of it."""
+    run.trainer.train(resume_from_checkpoint=run.resume)
+    if run.resume is not None:
+        correct_train_loss(run.metrics, int(Path(run.resume).name.rpartition("-")[2]))
+    if not run.checkpoints_existed and run.args.save_steps == 0 and run.is_main:
+        with contextlib.suppress(OSError):  # the trainer made it; nothing was saved into it
+            checkpoint_root(run.args.output_dir).rmdir()
+
+
+def finish(run: Run) -> None:
+    """The ranks agree; the adapter, settings, run_info, curves and before/after samples are written."""
+    from peft import get_peft_model_state_dict
+
+    trainer, args = run.trainer, run.args
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    after = []
+    if trainer.is_world_process_zero():
+        after = [c[0] for c in complete_chats(policy, run.tokenizer, run.shown["prompt"], args.max_completion_length)]
+    rewards = [r["reward"] for r in run.metrics.rows if "reward" in r]
+    k = max(1, len(rewards) // 5)
+    first, last = (sum(rewards[:k]) / k, sum(rewards[-k:]) / k) if rewards else (0.0, 0.0)
+    shown = zip(run.shown["question"], run.shown["gold"], run.samples_before, after)
+    rows = [{"question": q, "gold": g, "before": b, "after": a} for q, g, b, a in shown]
+    end = TrainingEnd(
+        stage=STAGE.name,
+        configs=run.configs,
+        model_path=run.model_path,
+        world_size=run.training_args.world_size,
+        trained=get_peft_model_state_dict(policy),
+        save_weights=lambda out: trainer.save_model(str(out)),
+        tokenizer=run.tokenizer,
+        trainable_parameters=sum(p.numel() for p in policy.parameters() if p.requires_grad),
+        memory=memory_report(run.planned_peak_mb, run.step_peak),
+        metrics=run.metrics.rows,
+        curves=CURVES,
+        plot=STAGE.plot,
+        title=f"GRPO: {run.model_args.model_name_or_path}",
+        summary=f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k}) in {args.output_dir}",
+        resumed_from=run.resume,
+        details=run.details,
+        samples=(STAGE.samples, samples_markdown("Greedy completions before and after GRPO", {"samples": rows})),
+    )
+    finish_training(end, run.out, trainer.is_world_process_zero())
 
 
 def keep_adapter_in_float32(trainer: Any, model_args: ModelArguments) -> None:
@@ -328,21 +285,13 @@ def grpo_config(args: GRPOArguments, model_args: ModelArguments) -> Any:
         raise UsageError(first_line(e)) from None
 
 
-def report(out: Path, info: dict, rows: list[dict], samples_after: list[str], model_args: Any, args: Any) -> None:
-    """run_info.json (with the peak memory), the curves, and the reward's rise on the terminal."""
-    import torch
-
-    info["peak_memory_mb"] = round(peak_memory_mb(), 1)
-    info["peak_memory_kind"] = "cuda allocated" if torch.cuda.is_available() else "process RSS"
-    save_run_info(out, info)
-    plot_curves(rows, CURVES, out / "grpo_curves.png", title=f"GRPO: {model_args.model_name_or_path}")
-    rewards = [r["reward"] for r in rows if "reward" in r]
-    if rewards:
-        k = max(1, len(rewards) // 5)
-        first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-        print(f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k})")
-    print(f"sample after training:\n{samples_after[0] if samples_after else ''}")
-    print(f"adapter written to {args.output_dir}")
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    run = preflight(STAGE.parse(argv))
+    with staged_output_dir(run.args.output_dir, run.args.overwrite_output_dir, stage=STAGE.name) as run.out:
+        build(run)
+        train(run)
+        finish(run)
 
 
 if __name__ == "__main__":

@@ -21,19 +21,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from fitrl.checkpoints import check_adapter_base
 from fitrl.config import (
     UsageError,
-    check,
     entrypoint,
-    help_field,
     load_run_config,
-    parse_config,
     save_run_config,
     save_run_info,
 )
-from fitrl.demo import DemoArguments
 from fitrl.memory import PeakRSS
 from fitrl.merge import (
     DTYPES,
@@ -46,91 +43,97 @@ from fitrl.merge import (
     verify_merge,
     write_config_files,
 )
-from fitrl.modeling import check_adapter_base, load_tokenizer, resolve_model_path
+from fitrl.modeling import load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.stages.merge import STAGE
 
 
 @dataclass
-class MergeArguments:
-    """Which adapter to fold into which base, and how."""
+class Inputs:
+    """What the merge reads, checked before anything is written."""
 
-    adapter_dir: str = help_field("outputs/sft", "The SFT stage's output directory (adapter_config.json inside).")
-    base_model: str | None = help_field(
-        None, "Base model (hub id, local dir, demo://lm); empty: the one the SFT stage used (its run_config.yaml)."
+    adapter_dir: Path
+    adapter_config: dict[str, Any]
+    adapter_weights: dict[str, Any]
+    base_name: str
+    base_dir: Path
+    tokenizer: Any  # the SFT stage's (saved beside its adapter), else the base's, else None
+
+
+def preflight(args: Any, demo_args: Any) -> Inputs:
+    """The adapter and the base it was trained on (its run_config.yaml says which, unless named)."""
+    check_output_dir(
+        args.output_dir, args.overwrite_output_dir, [args.adapter_dir, args.base_model], demo_args.demo_cache_dir
     )
-    output_dir: str = help_field("outputs/merged", "Where the merged model goes.")
-    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
-    dtype: Literal["float16", "bfloat16", "float32"] = help_field("float16", "Dtype of the merged weights.")
-    method: Literal["streaming", "in_memory"] = help_field(
-        "streaming", "'streaming': shard by shard, bounded memory; 'in_memory': peft merge_and_unload (needs RAM)."
-    )
-    force: bool = help_field(False, "Merge even if the adapter says it was trained on another base.")
-    verify: bool = help_field(False, "Compare merged vs base+adapter logits on a few prompts; fail above tolerance.")
-    verify_tolerance: float | None = help_field(None, "Largest logit difference --verify accepts (default by dtype).")
-
-    def validate(self) -> None:
-        check(self.verify_tolerance is None or self.verify_tolerance > 0, "verify_tolerance", "empty or > 0")
-
-
-CONFIG_TYPES = [MergeArguments, DemoArguments]
-
-
-@entrypoint
-def main(argv: list[str] | None = None) -> None:
-    args, demo_args = parse_config(CONFIG_TYPES, argv)
-    check_output_dir(args.output_dir, args.overwrite_output_dir, [args.adapter_dir, args.base_model])
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not adapter_dir.is_dir():
         raise UsageError(f"adapter directory {adapter_dir} does not exist; run the SFT stage first")
     adapter_config, adapter_weights = read_adapter(adapter_dir)
-
-    # The base the SFT stage used, unless named; a different base is refused unless forced.
     sft_config = load_run_config(adapter_dir)
     base_name = args.base_model or sft_config.get("model_name_or_path") or adapter_config["base_model_name_or_path"]
     base = resolve_model_path(base_name, demo_args.demo_cache_dir, what="base model")
     check_output_dir(args.output_dir, args.overwrite_output_dir, [base])
     # An adapter saved from a model built in memory records no base: then there is nothing to compare.
-    check_adapter_base(adapter_dir, base_name, base, "merge", args.force, producer="sft", require_record=False)
+    check_adapter_base(
+        adapter_dir, base_name, base, STAGE.name, args.force, producer=STAGE.reads[1], require_record=False
+    )
     base_dir = base_checkpoint(base)
-    # The SFT stage saved its tokenizer beside the adapter; fall back to the base's, if it has one.
     has_tokenizer = [d for d in (adapter_dir, base_dir) if any((d / f).is_file() for f in TOKENIZER_FILES)]
     tokenizer = load_tokenizer(str(has_tokenizer[0])) if has_tokenizer else None
-    dtype = DTYPES[args.dtype]
+    return Inputs(adapter_dir, adapter_config, adapter_weights, base_name, base_dir, tokenizer)
 
-    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage="merge") as out:
-        start = time.perf_counter()
-        with PeakRSS() as rss:
-            if args.method == "streaming":
-                n_changed = streaming_merge(base_dir, adapter_config, adapter_weights, out, dtype)
-                write_config_files(base_dir, out, args.dtype)
-            else:
-                n_changed = in_memory_merge(str(base_dir), adapter_dir, out, dtype)
-        seconds = time.perf_counter() - start
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        info = {
-            "stage": "merge",
-            "base_model": base_name,
-            "base_path": str(base_dir),
-            "adapter_dir": str(adapter_dir),
-            "method": args.method,
-            "dtype": args.dtype,
-            "adapted_tensors": n_changed,
-            "peak_rss_mb": round(rss.peak_mb, 1),
-            "peak_rss_increase_mb": round(rss.increase_mb, 1),
-            "seconds": round(seconds, 2),
-        }
+
+def merge(args: Any, inputs: Inputs, out: Path) -> dict[str, Any]:
+    """The merged weights (and tokenizer) into `out`; what it took, for run_info.json."""
+    start = time.perf_counter()
+    with PeakRSS() as rss:
+        if args.method == "streaming":
+            dtype = DTYPES[args.dtype]
+            n_changed = streaming_merge(inputs.base_dir, inputs.adapter_config, inputs.adapter_weights, out, dtype)
+            write_config_files(inputs.base_dir, out, args.dtype)
+        else:
+            n_changed = in_memory_merge(str(inputs.base_dir), inputs.adapter_dir, out, DTYPES[args.dtype])
+    seconds = time.perf_counter() - start
+    if inputs.tokenizer is not None:
+        inputs.tokenizer.save_pretrained(out)
+    return {
+        "stage": STAGE.name,
+        "base_model": inputs.base_name,
+        "base_path": str(inputs.base_dir),
+        "adapter_dir": str(inputs.adapter_dir),
+        "method": args.method,
+        "dtype": args.dtype,
+        "adapted_tensors": n_changed,
+        "peak_rss_mb": round(rss.peak_mb, 1),
+        "peak_rss_increase_mb": round(rss.increase_mb, 1),
+        "seconds": round(seconds, 2),
+    }
+
+
+def verify(args: Any, inputs: Inputs, out: Path, info: dict[str, Any]) -> None:
+    """Merged logits against base + adapter on a few prompts; fails above the tolerance."""
+    tolerance = args.verify_tolerance or VERIFY_TOLERANCE[args.dtype]
+    info["verify_max_logit_diff"] = verify_merge(
+        str(inputs.base_dir), inputs.adapter_dir, out, inputs.tokenizer, tolerance
+    )
+    info["verify_tolerance"] = tolerance
+
+
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    args, demo_args = STAGE.parse(argv)
+    inputs = preflight(args, demo_args)
+    with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
+        info = merge(args, inputs, out)
         if args.verify:
-            tolerance = args.verify_tolerance or VERIFY_TOLERANCE[args.dtype]
-            info["verify_max_logit_diff"] = verify_merge(str(base_dir), adapter_dir, out, tokenizer, tolerance)
-            info["verify_tolerance"] = tolerance
-        (out / "README.md").write_text(model_card(info, adapter_config))
+            verify(args, inputs, out, info)
+        (out / "README.md").write_text(model_card(info, inputs.adapter_config))
         save_run_config(out, args, demo_args)
         save_run_info(out, info)
     verified = f", verified (max logit diff {info['verify_max_logit_diff']:.2g})" if args.verify else ""
     print(
-        f"merged {n_changed} tensors ({args.method}, {args.dtype}) in {seconds:.1f}s, "
-        f"peak RSS +{rss.increase_mb:.0f} MB{verified} -> {args.output_dir}"
+        f"merged {info['adapted_tensors']} tensors ({args.method}, {args.dtype}) in {info['seconds']:.1f}s, "
+        f"peak RSS +{info['peak_rss_increase_mb']:.0f} MB{verified} -> {args.output_dir}"
     )
 
 

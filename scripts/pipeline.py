@@ -20,7 +20,6 @@ Environment variables do the same: PROFILE, STAGES, RUN_DIR, LAUNCH, FORCE=1, DR
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -34,39 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGES = ["sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"]
-SCRIPTS = {
-    "sft": "sft_lora.py",
-    "merge": "merge_adapter.py",
-    "ppo": "ppo_sentiment.py",
-    "eval": "evaluate_sentiment.py",
-    "grpo": "grpo_gsm8k.py",
-    "eval_gsm8k": "evaluate_gsm8k.py",
-}
-TRAINING = {"sft", "ppo", "grpo"}  # launched through accelerate; the others are one-process file work
-# The setting that names a stage's input, and the stage that writes it.
-INPUTS = {
-    "merge": ("adapter_dir", "sft"),
-    "ppo": ("model_name_or_path", "merge"),
-    "eval": ("adapter_dir", "ppo"),
-    "eval_gsm8k": ("adapter", "grpo"),
-}
-# What each stage reads from another: a stage re-runs when the one it reads from re-ran.
-DEPENDS = {stage: producer for stage, (_key, producer) in INPUTS.items()}
-CHECKPOINTS = {"ppo": "step", "grpo": "checkpoint"}  # resumable stages and their checkpoint prefix
+from fitrl.config import ArgumentParser, UsageError
+from fitrl.stages import NAMES, STAGES, Stage, get
+
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
 NOT_RESULTS = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "demo_cache_dir", "report_to"}
 DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
 LOG_TAIL = 15
-
-
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        raise UsageError(message)
+RUN_MARKER = ".fitrl-run.json"  # a run directory's: later runs may write into it
 
 
 def profiles() -> list[str]:
@@ -75,12 +49,12 @@ def profiles() -> list[str]:
 
 def arguments() -> argparse.ArgumentParser:
     env = os.environ
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="bash pipeline.sh",
         description="Run the fitrl stages of a profile in one run directory, skipping what is done.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            f"stages, in order: {' '.join(STAGES)}\nprofiles: {' '.join(profiles())}\n"
+            f"stages, in order: {' '.join(NAMES)}\nprofiles: {' '.join(profiles())}\n"
             "launchers: " + " ".join(p.stem for p in sorted(Path("configs/accelerate").glob("*.yaml"))) + "\n\n"
             "examples:\n"
             + "\n".join(line.strip() for line in __doc__.splitlines() if line.strip().startswith("bash pipeline.sh"))
@@ -105,7 +79,7 @@ def arguments() -> argparse.ArgumentParser:
 @dataclass
 class Request:
     profile: str
-    stages: list[str]
+    stages: list[Stage]
     run_dir: Path
     launch: list[str]
     force: bool
@@ -118,25 +92,45 @@ def parse(argv: list[str]) -> Request:
     args = arguments().parse_args(argv)
     if args.profile not in profiles():
         raise UsageError(f"no profile configs/{args.profile}; pick one of: {' '.join(profiles())}")
-    available = [s for s in STAGES if Path(f"configs/{args.profile}/{s}.yaml").is_file()]
+    available = [s.name for s in STAGES if Path(f"configs/{args.profile}/{s.name}.yaml").is_file()]
     if not available:
         raise UsageError(f"profile '{args.profile}' has no stage configs (configs/{args.profile}/<stage>.yaml)")
     wanted = args.stages or available
     if args.start:
-        if args.start not in STAGES:
-            raise UsageError(f"unknown stage '{args.start}' for --from; known: {' '.join(STAGES)}")
-        wanted = [s for s in available if STAGES.index(s) >= STAGES.index(args.start)]
-    for stage in wanted:
-        if stage not in STAGES:
-            raise UsageError(f"unknown stage '{stage}'; known: {' '.join(STAGES)}")
-        if stage not in available:
-            raise UsageError(
-                f"profile '{args.profile}' has no stage '{stage}' (no configs/{args.profile}/{stage}.yaml)"
-            )
-    run_dir = Path(args.run_dir or f"outputs/{args.profile}")
+        if args.start not in NAMES:
+            raise UsageError(f"unknown stage '{args.start}' for --from; known: {' '.join(NAMES)}")
+        wanted = [s for s in available if NAMES.index(s) >= NAMES.index(args.start)]
+    for name in wanted:
+        get(name)
+        if name not in available:
+            raise UsageError(f"profile '{args.profile}' has no stage '{name}' (no configs/{args.profile}/{name}.yaml)")
+    run_dir = check_run_dir(Path(args.run_dir or f"outputs/{args.profile}"))
     return Request(
-        args.profile, [s for s in STAGES if s in wanted], run_dir, launcher(args.launcher), args.force, args.dry_run
+        args.profile,
+        [s for s in STAGES if s.name in wanted],
+        run_dir,
+        launcher(args.launcher),
+        args.force,
+        args.dry_run,
     )
+
+
+def check_run_dir(run_dir: Path) -> Path:
+    """A run directory is new, empty, or one a pipeline run made (its `RUN_MARKER`, or the timings an
+    older run kept): a run writes `logs/`, `report.md` and a directory per stage into it."""
+    from fitrl.outputs import refuse_shared_dir
+    from fitrl.report import TIMINGS
+
+    run_dir = run_dir.expanduser()  # `--run_dir=~/runs/t`: the shell leaves that `~` to us
+    refuse_shared_dir(run_dir, "run directory", "outputs/<profile>")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"run directory {run_dir} is a file; give --run_dir a directory path")
+    made_by_fitrl = (run_dir / RUN_MARKER).is_file() or (run_dir / TIMINGS).is_file()
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not made_by_fitrl:
+        raise UsageError(
+            f"run directory {run_dir} holds files a pipeline run did not write; give --run_dir a new or empty directory"
+        )
+    return run_dir
 
 
 def launcher(value: str | None) -> list[str]:
@@ -155,41 +149,19 @@ def launcher(value: str | None) -> list[str]:
 # --- one stage ------------------------------------------------------------------------------------
 
 
-def stage_output(req: Request, stage: str) -> Path:
-    from fitrl.report import STAGE_DIRS
-
-    return req.run_dir / STAGE_DIRS[stage]
+def stage_output(req: Request, stage: Stage) -> Path:
+    return req.run_dir / stage.output_dir
 
 
-def command(req: Request, stage: str) -> list[str]:
+def command(req: Request, stage: Stage) -> list[str]:
     """The stage's command line: its config, its output in the run directory, its input from the stage before."""
-    args = ["--config", f"configs/{req.profile}/{stage}.yaml", "--output_dir", str(stage_output(req, stage))]
-    if stage in INPUTS:
-        key, producer = INPUTS[stage]
+    args = ["--config", f"configs/{req.profile}/{stage.name}.yaml", "--output_dir", str(stage_output(req, stage))]
+    if stage.reads is not None:
+        key, producer = stage.reads
         if Path(f"configs/{req.profile}/{producer}.yaml").is_file():  # else the config names its own input
-            args += [f"--{key}", str(stage_output(req, producer))]
-    runner = req.launch if stage in TRAINING else ["python"]
-    return [*runner, f"scripts/{SCRIPTS[stage]}", *args]
-
-
-def _script_module(stage: str) -> Any:
-    name = f"fitrl_stage_{stage}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path("scripts") / SCRIPTS[stage])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-def resolved_settings(stage: str, args: list[str]) -> dict[str, Any]:
-    """The settings the stage would run with: its YAML, the pipeline's flags, and the stage's own defaults."""
-    from fitrl.config import config_dict, parse_config
-
-    module = _script_module(stage)
-    resolve = getattr(module, "resolve_config", None)
-    configs = resolve(args) if resolve else parse_config(module.CONFIG_TYPES, args)
-    return config_dict(*configs)
+            args += [f"--{key}", str(stage_output(req, get(producer)))]
+    runner = req.launch if stage.training else ["python"]
+    return [*runner, f"scripts/{stage.script}", *args]
 
 
 def _results_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -211,35 +183,39 @@ def completed(out: Path, settings: dict[str, Any]) -> str | None:
     return f"settings changed: {', '.join(changed)}" if changed else None
 
 
-def resumable(stage: str, out: Path, settings: dict[str, Any]) -> Path | None:
+def resumable(stage: Stage, out: Path, settings: dict[str, Any]) -> Path | None:
     """The latest checkpoint a died PPO or GRPO run left, if it was made with the settings of this one."""
     from fitrl.checkpoints import check_resume_config, checkpoint_root, latest_checkpoint
-    from fitrl.config import UsageError as StageUsageError
 
-    if stage not in CHECKPOINTS:
+    if stage.checkpoint_prefix is None:
         return None
-    latest = latest_checkpoint(checkpoint_root(out), CHECKPOINTS[stage])
+    latest = latest_checkpoint(checkpoint_root(out), stage.checkpoint_prefix)
     if latest is None:
         return None
     try:
         check_resume_config(latest, settings)
-    except StageUsageError:
+    except UsageError:
         return None  # made with other settings: start afresh
     return latest
 
 
-def plan(stage: str, settings: dict[str, Any]) -> bool:
+def print_plan(stage: Stage, configs: tuple[Any, ...]) -> bool:
     """Print the memory plan of a training stage; False when it does not fit the GPU that is here."""
     import torch
 
     from fitrl import planner
+    from fitrl.architectures import architecture
     from fitrl.config import first_line
+    from fitrl.demo import DemoArguments
+    from fitrl.modeling import ModelArguments
+    from fitrl.stages.base import config_of
 
     on_gpu = torch.cuda.is_available()
     try:
-        config = planner.architecture(settings["model_name_or_path"], settings.get("demo_cache_dir"))
+        model = config_of(configs, ModelArguments).model_name_or_path
+        config = architecture(model, config_of(configs, DemoArguments).demo_cache_dir)
         gpu = torch.cuda.get_device_properties(0).total_memory if on_gpu else 24 * planner.GiB
-        result = planner.plan_stage(stage, settings, config, gpu_memory_bytes=gpu)
+        result = planner.plan_stage(stage, configs, config, gpu_memory_bytes=gpu)
     except Exception as e:  # the plan informs, the stage decides: a model without a config runs unplanned
         print(f"   note: no memory plan ({first_line(e)})", file=sys.stderr)
         return True
@@ -247,7 +223,7 @@ def plan(stage: str, settings: dict[str, Any]) -> bool:
     print(f"   {planner.brief(result)}{where}", file=sys.stderr)
     if result.fits or not on_gpu:
         return True
-    for s in planner.suggest(stage, settings, config, gpu_memory_bytes=gpu):
+    for s in planner.suggest(stage, configs, config, gpu_memory_bytes=gpu):
         print("   to fit: " + " ".join(f"--{k} {v}" for k, v in s["overrides"].items()), file=sys.stderr)
     return False
 
@@ -287,16 +263,18 @@ def executable(cmd: list[str]) -> list[str]:
     return [sys.executable if w == "python" else w for w in cmd]
 
 
-def run_stage(req: Request, index: int, stage: str, timings: dict[str, float]) -> None:
+def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float]) -> None:
     from fitrl import report
+    from fitrl.config import config_dict
 
     out, cmd = stage_output(req, stage), command(req, stage)
-    head = f"== [{index}/{len(req.stages)}] {stage}"
+    head = f"== [{index}/{len(req.stages)}] {stage.name}"
     if req.dry_run:
         print(" ".join(cmd))
         return
-    settings = resolved_settings(stage, cmd[cmd.index(f"scripts/{SCRIPTS[stage]}") + 1 :])
-    upstream = DEPENDS.get(stage)
+    configs = stage.parse(cmd[cmd.index(f"scripts/{stage.script}") + 1 :])
+    settings = config_dict(*configs)
+    upstream = stage.reads[1] if stage.reads else None
     if req.force:
         reason = "forced"
     elif upstream in req.ran:
@@ -313,25 +291,25 @@ def run_stage(req: Request, index: int, stage: str, timings: dict[str, float]) -
     if out.exists():
         cmd += ["--overwrite_output_dir", "true"]  # the stage replaces only what fitrl wrote there
     print(f"{head}: running ({reason})", file=sys.stderr)
-    if stage in TRAINING and not plan(stage, settings) and not req.force:
+    if stage.training and not print_plan(stage, configs) and not req.force:
         print(
             "   stopped before loading anything: the plan does not fit this GPU; FORCE=1 runs anyway", file=sys.stderr
         )
         raise SystemExit(1)
-    log = req.run_dir / "logs" / f"{stage}.log"
+    log = req.run_dir / "logs" / f"{stage.name}.log"
     started = time.perf_counter()
     code = run_logged(executable(cmd), log)
     if code != 0:
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()
         tail = [line for line in tail if line.strip()][-LOG_TAIL:]
-        print(f"   {stage} failed (exit {code}); the end of its log:", file=sys.stderr)
+        print(f"   {stage.name} failed (exit {code}); the end of its log:", file=sys.stderr)
         print("\n".join(tail), file=sys.stderr)
         print(f"   full log: {log}", file=sys.stderr)
         raise SystemExit(code)
-    timings[stage] = round(time.perf_counter() - started, 1)
+    timings[stage.name] = round(time.perf_counter() - started, 1)
     (req.run_dir / report.TIMINGS).write_text(json.dumps(timings, indent=2) + "\n")
-    req.ran.append(stage)
-    print(f"   done in {timings[stage]:.0f} s: {report.one_line(stage, out)}  (log: {log})", file=sys.stderr)
+    req.ran.append(stage.name)
+    print(f"   done in {timings[stage.name]:.0f} s: {report.one_line(stage, out)}  (log: {log})", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,15 +323,17 @@ def main(argv: list[str] | None = None) -> None:
     timings_path = req.run_dir / report.TIMINGS
     timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
     if not req.dry_run:
-        print(f"== fitrl: profile {req.profile}, stages {' '.join(req.stages)}, in {req.run_dir}", file=sys.stderr)
+        print(
+            f"== fitrl: profile {req.profile}, stages {' '.join(s.name for s in req.stages)}, in {req.run_dir}",
+            file=sys.stderr,
+        )
         (req.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    from fitrl.config import UsageError as StageUsageError
-
+        (req.run_dir / RUN_MARKER).write_text(json.dumps({"fitrl": "a pipeline run directory"}) + "\n")
     for i, stage in enumerate(req.stages, 1):
         try:
             run_stage(req, i, stage, timings)
-        except StageUsageError as e:  # a stage's config the stage itself would refuse: one line, exit 2
-            print(f"error: {stage} (configs/{req.profile}/{stage}.yaml): {e}", file=sys.stderr)
+        except UsageError as e:  # a stage's config the stage itself would refuse: one line, exit 2
+            print(f"error: {stage.name} (configs/{req.profile}/{stage.name}.yaml): {e}", file=sys.stderr)
             raise SystemExit(2) from None
     if req.dry_run:
         return

@@ -20,27 +20,23 @@ Exit status: 0 when the run fits, 1 when it does not, 2 for bad input.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from fitrl import planner
-from fitrl.config import UsageError, config_dict, entrypoint, parse_config
-
-SCRIPTS = Path(__file__).resolve().parent
-STAGE_SCRIPTS = {"sft": "sft_lora.py", "ppo": "ppo_sentiment.py", "grpo": "grpo_gsm8k.py"}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        raise UsageError(message)
+from fitrl import planner, stages
+from fitrl.architectures import architecture
+from fitrl.config import ArgumentParser, UsageError, entrypoint
+from fitrl.demo import DemoArguments
+from fitrl.modeling import ModelArguments
+from fitrl.stages.base import config_of
 
 
 def planner_arguments() -> argparse.ArgumentParser:
-    parser = _Parser(description=__doc__.split("\n\n")[0], add_help=False)
-    parser.add_argument("--stage", choices=sorted(STAGE_SCRIPTS), help="The stage (default: the --config file's name).")
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
+    parser.add_argument(
+        "--stage", choices=sorted(stages.PLANNABLE), help="The stage (default: the --config file's name)."
+    )
     parser.add_argument("--gpu_memory_gb", type=float, help="GPU memory in GiB (default: the detected GPU, else 24).")
     parser.add_argument(
         "--finetuning",
@@ -62,25 +58,17 @@ def planner_arguments() -> argparse.ArgumentParser:
     return parser
 
 
-def stage_config_types(stage: str) -> list[type]:
-    """The stage script's own config dataclasses: anything the stage accepts, the planner reads the same way."""
-    path = SCRIPTS / STAGE_SCRIPTS[stage]
-    spec = importlib.util.spec_from_file_location(f"fitrl_stage_{stage}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    return module.CONFIG_TYPES
-
-
 def stage_of(args: argparse.Namespace, rest: list[str]) -> str:
     if args.stage:
         return args.stage
     if "--config" in rest and rest.index("--config") + 1 < len(rest):
         stem = Path(rest[rest.index("--config") + 1]).stem
-        if stem in STAGE_SCRIPTS:
+        if stem in stages.PLANNABLE:
             return stem
-        raise UsageError(f"cannot tell the stage from config file {stem}.yaml; pass --stage sft, ppo or grpo")
-    raise UsageError("name a stage: --config configs/<profile>/<stage>.yaml or --stage sft|ppo|grpo")
+        raise UsageError(
+            f"cannot tell the stage from config file {stem}.yaml; pass --stage {', '.join(stages.PLANNABLE)}"
+        )
+    raise UsageError(f"name a stage: --config configs/<profile>/<stage>.yaml or --stage {'|'.join(stages.PLANNABLE)}")
 
 
 def gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
@@ -105,20 +93,19 @@ def main(argv: list[str] | None = None) -> None:
         print("\nEvery other flag is the stage's own: see `python scripts/<stage script> --help`.")
         return
     args, rest = planner_arguments().parse_known_args(argv)
-    stage = stage_of(args, rest)
-    configs = parse_config(stage_config_types(stage), rest)
-    settings = config_dict(*configs)
-    demo_cache_dir = settings.get("demo_cache_dir")
-    config = planner.architecture(args.architecture or settings["model_name_or_path"], demo_cache_dir)
+    stage = stages.get(stage_of(args, rest))
+    configs = stage.parse(rest)
+    model = args.architecture or config_of(configs, ModelArguments).model_name_or_path
+    config = architecture(model, config_of(configs, DemoArguments).demo_cache_dir)
     gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb)
     if args.world_size < 1:
         raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")
-    options = {"finetuning": args.finetuning, "world_size": args.world_size, "demo_cache_dir": demo_cache_dir}
-    result = planner.plan_stage(stage, settings, config, gpu_memory_bytes=gpu_bytes, **options)
+    options = {"finetuning": args.finetuning, "world_size": args.world_size}
+    result = planner.plan_stage(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
     if args.trace:
         result.traced = planner.trace_full_depth(config, result.workload)
     if args.suggest and not result.fits:
-        result.suggestions = planner.suggest(stage, settings, config, gpu_memory_bytes=gpu_bytes, **options)
+        result.suggestions = planner.suggest(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     elif args.brief and result.fits:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -50,15 +48,20 @@ def demo_root(demo_cache: Path) -> Path:
     return demo.demo_dir(demo_cache)
 
 
-def load_script(name: str) -> ModuleType:
-    """Import `scripts/<name>.py` as a module (its dataclasses and functions, without running main)."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+def run_main(script: str, *args: str | Path) -> int:
+    """Run `scripts/<script>` in this process as Python runs a script (`__main__`, `sys.argv` set); its
+    exit code (0 when it returns). Faster than a subprocess where a test runs a light stage many times."""
+    import runpy
+
+    argv = sys.argv
+    sys.argv = [str(ROOT / "scripts" / script), *map(str, args)]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+    return 0
 
 
 def run_script(

@@ -9,9 +9,10 @@ from typing import Literal
 import pytest
 import yaml
 
+from fitrl import stages
 from fitrl.config import UsageError, check, help_field, load_run_config, parse_config, save_run_config
 
-from conftest import CONFIGS, error_line, load_script, run_script
+from conftest import CONFIGS, error_line, run_script
 
 
 @dataclass
@@ -76,17 +77,7 @@ def test_every_profile_parses() -> None:
     for path in sorted(CONFIGS.glob("*/*.yaml")):
         if path.parent.name == "accelerate":
             continue
-        script = {
-            "sft": "sft_lora",
-            "merge": "merge_adapter",
-            "ppo": "ppo_sentiment",
-            "eval": "evaluate_sentiment",
-            "grpo": "grpo_gsm8k",
-            "eval_gsm8k": "evaluate_gsm8k",
-        }.get(path.stem)
-        assert script, f"no script for profile {path}"
-        module = load_script(script)
-        parse_config(module.CONFIG_TYPES, ["--config", str(path)])
+        parse_config(stages.get(path.stem).config_types, ["--config", str(path)])
 
 
 # As a user sees it: the script exits 2 with one line, before any model loads.

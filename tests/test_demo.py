@@ -101,22 +101,48 @@ def test_asset_uris(demo_cache: Path, demo_root: Path) -> None:
         demo.resolve("demo://nope", demo_cache)
 
 
+def test_the_built_assets_are_the_recorded_bytes(demo_root: Path) -> None:
+    """The session's build is the same bytes as the build recorded in `fitrl.demo.ASSETS_DIGEST`: a build
+    that drifts (another CPU's code path, a library's kernel, a changed corpus) is caught here."""
+    assert demo.assets_digest(demo_root) == demo.ASSETS_DIGEST, _digests(demo_root)
+
+
+def _quick_build(out: Path, **env: str) -> Path:
+    """The demo's build entry (`python -m fitrl.demo`) in a child on the pinned path, its models trained
+    for a few steps: the same code path, the same random draws and threads as the full build."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, runpy; from fitrl.demo import models; "
+        "models.PRETRAIN_STEPS, models.REASONER_STEPS, models.CLASSIFIER_EPOCHS = 30, 10, 1; "
+        f"sys.argv = ['fitrl.demo', {str(out)!r}, '{demo.DEFAULT_SEED}']; "
+        "runpy.run_module('fitrl.demo', run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env, **demo.BUILD_ENV}, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+# `assets_digest` of `_quick_build` on the pinned path (recorded with the machine's own kernels; update
+# it beside `demo.ASSETS_DIGEST` when the build changes).
+QUICK_BUILD_DIGEST = "3f92bba4b9457fdf45a319bde0a31fb0f3fd9edd96e0dff3bbf9b4e2bae6abdf"
+
+
 @pytest.mark.slow
-def test_build_is_deterministic(demo_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two builds from the same seed give byte-identical files.
-
-    The models train for a few steps here, not the full build's minutes: the same code path, the same
-    random draws and threads, so bits that repeat after 10 steps repeat after 1000.
-    """
-    from fitrl.demo import models
-
-    for name, steps in [("PRETRAIN_STEPS", 30), ("REASONER_STEPS", 10), ("CLASSIFIER_EPOCHS", 1)]:
-        monkeypatch.setattr(models, name, steps)
-    first, again = demo.build(tmp_path / "a"), demo.build(tmp_path / "b")
-    assert _digests(again) == _digests(first)
+def test_the_pinned_build_is_the_same_bytes_whatever_the_cpu_path(demo_root: Path, tmp_path: Path) -> None:
+    """A build where the machine would take another code path gives the recorded bytes: ATen's portable
+    kernels, MKL's COMPATIBLE branch and one thread each give other bits than the AVX2 ones (measured
+    on the demo LM), as another CPU's dispatch would. The pinned path (`demo.BUILD_ENV`: ATen's and
+    MKL's AVX2 paths, two threads) overrides them all."""
+    built = _quick_build(tmp_path / "a", ATEN_CPU_CAPABILITY="default", MKL_CBWR="COMPATIBLE", OMP_NUM_THREADS="1")
+    assert demo.assets_digest(built) == QUICK_BUILD_DIGEST, _digests(built)
     # and the texts, which no step count touches, are the session's build's
     data = {k: v for k, v in _digests(demo_root).items() if k.endswith(".jsonl")}
-    assert data and data.items() <= _digests(first).items()
+    assert data and data.items() <= _digests(built).items()
 
 
 @pytest.mark.parametrize(

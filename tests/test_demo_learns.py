@@ -42,10 +42,14 @@ def test_ppo_turns_fluent_reviews_positive_and_the_judge_agrees(demo_run: Path) 
     policy, reference, judge = report["policy"], report["reference"], report["judge"]
     # On 96 held-out prompts a share's standard error is at most 5 points: the bars below sit at least
     # two of them under what the shipped profile gives (55% -> 92% positive, 98.8% and 97.4% corpus
-    # words, judge 7% -> 44%, KL 5.6 nats).
+    # words, judge 7% -> 44%, KL 5.6 nats). The same assets on other CPU code paths (ATen's portable
+    # kernels; MKL's COMPATIBLE branch): 54% -> 89% / 62% -> 88% positive, corpus words 97.2% / 94.6%,
+    # judge +31 / +41 points, KL 5.3 / 6.0 nats (docs/demo.md).
     assert policy["positive_share"] >= 0.8 > reference["positive_share"], (policy, reference)
-    # both sides write the corpus's sentences: the reference (the SFT model) and the PPO policy
-    assert min(policy["corpus_word_share"], reference["corpus_word_share"]) >= 0.95, (policy, reference)
+    # Both sides write the corpus's sentences: the reference (the SFT model, 98.5-99.0% on every path)
+    # and the PPO policy (94.6-97.4%; word salad, which the demo's early LM led PPO into, is far below).
+    assert reference["corpus_word_share"] >= 0.95, reference
+    assert policy["corpus_word_share"] >= 0.92, policy
     # the second judge, which PPO never trained against, sees the same gain
     assert judge["model"] == "demo://lexicon"
     assert judge["policy"] > judge["reference"] + 0.2, judge

@@ -170,9 +170,9 @@ def test_grpo_smoke_run_in_8bit_with_lora(grpo_smoke: Path) -> None:
     adapter = load_file(grpo_smoke / "adapter_model.safetensors")
     assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
     info = json.loads((grpo_smoke / "run_info.json").read_text())
-    assert info["problems"] == 64 and info["peak_memory_mb"] > 0
+    assert info["problems"] == 64 and info["memory"]["peak_rss_mb"] > 0
     assert_memory_planned_and_measured(info)
-    assert "before:" in (grpo_smoke / "samples.md").read_text()
+    assert "| question | gold | before | after |" in (grpo_smoke / "samples.md").read_text()
     # checkpoints live beside the output, so a stopped run keeps them
     assert (grpo_smoke.with_name("run.checkpoints") / "checkpoint-2" / "trainer_state.json").is_file()
 
@@ -236,7 +236,7 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
     assert result.returncode == 0, result.stderr[-4000:]
     info = json.loads((out / "run_info.json").read_text())
     assert info["world_size"] == 2
-    digests = info["rank_adapter_digests"]
+    digests = info["rank_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     adapter = load_file(out / "adapter_model.safetensors")
     assert tensor_digest(adapter) == digests[0]  # the digest is of the weights rank 0 wrote

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from fitrl.config import UsageError
+from fitrl.int8 import DequantScratch, FrozenInt8Product
 from fitrl.modeling import (
-    DequantScratch,
-    FrozenInt8Product,
     LoraArguments,
     ModelArguments,
     add_lora,

@@ -10,7 +10,7 @@ import pytest
 from fitrl.config import UsageError
 from fitrl.outputs import OUTPUT_MARKER, check_output_dir, staged_output_dir
 
-from conftest import load_script
+from conftest import run_main
 
 
 def _precious(directory: Path) -> Path:
@@ -28,10 +28,8 @@ def test_cwd_its_parents_home_and_root_are_refused_even_with_overwrite(
     monkeypatch.chdir(work)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     target = {"home": str(tmp_path / "home"), "root": "/"}.get(where, where)
-    merge = load_script("merge_adapter")
-    with pytest.raises(SystemExit) as exit_info:
-        merge.main(["--adapter_dir", str(work), "--output_dir", target, "--overwrite_output_dir", "true"])
-    assert exit_info.value.code == 2
+    code = run_main("merge_adapter.py", "--adapter_dir", work, "--output_dir", target, "--overwrite_output_dir", "true")
+    assert code == 2
     assert keep.read_text() == "a user's file"
     with pytest.raises(UsageError, match="current, home or root directory"):
         check_output_dir(target, overwrite=True)
@@ -50,10 +48,10 @@ def test_an_output_overlapping_an_input_is_refused(tmp_path: Path, relation: str
 def test_merge_into_its_own_adapter_dir_keeps_the_adapter(tmp_path: Path) -> None:
     adapter = tmp_path / "sft"
     keep = _precious(adapter)
-    merge = load_script("merge_adapter")
-    with pytest.raises(SystemExit) as exit_info:
-        merge.main(["--adapter_dir", str(adapter), "--output_dir", str(adapter), "--overwrite_output_dir", "true"])
-    assert exit_info.value.code == 2 and keep.is_file()
+    code = run_main(
+        "merge_adapter.py", "--adapter_dir", adapter, "--output_dir", adapter, "--overwrite_output_dir", "true"
+    )
+    assert code == 2 and keep.is_file()
 
 
 def test_overwrite_refuses_a_directory_fitrl_did_not_write(tmp_path: Path) -> None:
@@ -90,3 +88,34 @@ def test_smooth_is_a_centred_rolling_mean() -> None:
     assert smooth([0, 3, 6, 9, 12], window=3) == [1.5, 3.0, 6.0, 9.0, 10.5]
     assert smooth([5.0]) == [5.0]
     assert smoothing_window(10) == 3 and smoothing_window(120) == 13 and smoothing_window(40) == 5
+
+
+def _fitrl_output(path: Path) -> Path:
+    """An output directory fitrl wrote: one file, listed in its marker."""
+    with staged_output_dir(path, stage="sft") as out:
+        (out / "adapter_model.safetensors").write_text("weights")
+    return path
+
+
+@pytest.mark.parametrize("kind", ["link", "empty folder"])
+def test_overwrite_keeps_a_users_link_or_empty_folder_inside_a_fitrl_output(tmp_path: Path, kind: str) -> None:
+    out = _fitrl_output(tmp_path / "run")
+    keep = _precious(tmp_path / "elsewhere")
+    if kind == "link":
+        (out / "mine").symlink_to(keep.parent, target_is_directory=True)
+    else:
+        (out / "mine").mkdir()
+    with pytest.raises(UsageError, match="holds mine, which fitrl did not write"):
+        check_output_dir(out, overwrite=True)
+    assert (out / "mine").exists() and keep.read_text() == "a user's file"
+
+
+def test_a_second_run_on_a_busy_output_is_refused_and_the_first_keeps_its_work(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    with staged_output_dir(out, stage="sft") as staging:
+        (staging / "half.txt").write_text("the first run's work")
+        with pytest.raises(UsageError, match="is in use by another run"):
+            with staged_output_dir(out, stage="sft"):
+                pass
+        assert (staging / "half.txt").is_file()
+    assert (out / "half.txt").read_text() == "the first run's work"

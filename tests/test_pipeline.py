@@ -86,14 +86,14 @@ def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) ->
 
 
 @pytest.mark.slow
-def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path) -> None:
+def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, demo_cache: Path) -> None:
     """accelerate reports any failed child as exit 1 with a traceback; the pipeline keeps the stage's own 2."""
     (tmp_path / "configs" / "broken").mkdir(parents=True)
     for name in ["pipeline.sh", "scripts"]:
         (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(
-        (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
-    )
+    config = (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
+    # the session's demo build: the reward model is resolved first, and the default cache is the user's
+    (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(config + f"demo_cache_dir: {demo_cache}\n")
     result = subprocess.run(
         ["bash", str(tmp_path / "pipeline.sh")],
         cwd=tmp_path,
@@ -261,3 +261,23 @@ def test_a_stage_config_the_stage_would_refuse_stops_the_pipeline_with_one_line(
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [errors[-1]] and "unknown key 'lerning_rate'" in errors[0], result.stderr
     assert not (tmp_path / "outputs" / "bad" / "sft").exists()
+
+
+@pytest.mark.parametrize("where", ["a user's folder", "home"])
+def test_a_run_directory_fitrl_did_not_make_is_refused_and_left_alone(tmp_path: Path, where: str) -> None:
+    home = tmp_path / "home"
+    run_dir = home / "mine" if where == "a user's folder" else home
+    run_dir.mkdir(parents=True)
+    (run_dir / "report.md").write_text("a user's report")
+    result = _pipeline("--run_dir", str(run_dir), DRY_RUN="0", HOME=str(home))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("error:") == 1 and "run directory" in result.stderr, result.stderr
+    assert (run_dir / "report.md").read_text() == "a user's report"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["report.md"]
+
+
+def test_a_run_directory_with_a_tilde_is_under_home(tmp_path: Path) -> None:
+    result = _pipeline("--run_dir=~/runs/t", HOME=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"--output_dir {tmp_path}/runs/t/sft" in result.stdout.splitlines()[0]
+    assert not (ROOT / "~").exists()

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitrl import planner
+from fitrl import planner, stages
+from fitrl.architectures import architecture
 from fitrl.config import UsageError
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors, tensor_bytes
-from fitrl.memtrace import Workload, build, make_optimizer, measure_step, trace_step
+from fitrl.memtrace import build_trainable, make_optimizer, measure_step, trace_step
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
+from fitrl.workload import Workload
 
 from conftest import CONFIGS, run_script
 
@@ -128,7 +130,7 @@ def test_static_bytes_equal_the_real_tensors(
 def test_full_finetuning_static_bytes_equal_the_real_tensors() -> None:
     config = tiny_config("llama")
     w = Workload("sft", dtype="bfloat16", finetuning="full", optimizer="adamw")
-    model = build(config, w, "cpu")
+    model = build_trainable(config, w, "cpu")
     opt = make_optimizer(model, "adamw")
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -177,7 +179,7 @@ def test_plan_is_within_10_percent_of_a_measured_step(kind: str, name: str) -> N
     config, w = tiny_config(kind), WORKLOADS[name]
     plan = planner.plan(config, w, on_gpu=False)
     torch.manual_seed(0)
-    measured = measure_step(build(config, w, "cpu"), w, "cpu")
+    measured = measure_step(build_trainable(config, w, "cpu"), w, "cpu")
     assert set(measured) == set(plan.phase_bytes)
     for phase, real in measured.items():
         assert abs(plan.phase_bytes[phase] / real - 1) < 0.10, (phase, plan.phase_bytes[phase], real)
@@ -202,16 +204,16 @@ def test_generation_peak_from_prefill_and_last_decode_step_equals_every_step_tra
 ) -> None:
     config = tiny_config(kind, layers=6)
     w = replace(WORKLOADS["ppo"], completion_len=completion_len, gen_batch=gen_batch)
-    every_step = trace_step(build(config, w, "meta"), w, "meta")
+    every_step = trace_step(build_trainable(config, w, "meta"), w, "meta")
     planned = planner.dynamic_bytes(config, w)  # two- and three-block traces, prefill and last step apart
     assert planned["generation"] == every_step["generation"]
     assert set(planned) == set(every_step)
 
 
 def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
-    config = planner.architecture("EleutherAI/gpt-neox-20b")
+    config = architecture("EleutherAI/gpt-neox-20b")
     w = Workload("sft", quantization="8bit", dtype="float16", lora_targets=("query_key_value",), completion_len=16)
-    model = build(config, w, "meta", num_layers=2)
+    model = build_trainable(config, w, "meta", num_layers=2)
     assert all(p.is_meta for p in model.parameters())
     peaks = trace_step(model, w, "meta")
     assert peaks["training step"] > 0
@@ -219,7 +221,7 @@ def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
 
 def test_kv_cache_for_long_completions_matches_unsloths_order_of_magnitude() -> None:
     # Unsloth's GRPO breakdown for Llama-3.1-8B at 20K context quotes a 2.5 GB KV cache (bf16, one sequence).
-    config = planner.architecture("meta-llama/Llama-3.1-8B")
+    config = architecture("meta-llama/Llama-3.1-8B")
     w = Workload("grpo", dtype="bfloat16", prompt_len=0, completion_len=20_000, gen_batch=1)
     assert planner.kv_cache_bytes(config, w) == 2 * 32 * 20_000 * 8 * 128 * 2  # 2.62 GB
     assert 2.0e9 < planner.kv_cache_bytes(config, w) < 3.0e9
@@ -286,12 +288,9 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_ca
 def test_full_finetuning_of_a_quantized_base_is_refused() -> None:
     config = tiny_config("llama")
     with pytest.raises(UsageError, match="full fine-tuning of a quantized base"):
-        planner.plan_stage(
-            "sft",
-            {"quantization": "8bit", "optim": "adamw_torch", "per_device_train_batch_size": 1, "block_size": 64},
-            config,
-            finetuning="full",
-        )
+        stage = stages.get("sft")
+        configs = stage.parse(["--quantization", "8bit", "--per_device_train_batch_size", "1", "--block_size", "64"])
+        planner.plan_stage(stage, configs, config, finetuning="full")
 
 
 def test_gpu_memory_bench_runs_on_cpu_with_tiny_models(tmp_path: Path) -> None:

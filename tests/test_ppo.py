@@ -138,6 +138,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, dem
     assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Path, demo_cache: Path) -> None:
+    """`report_to: tensorboard`, PPO's default and the 20B profile's setting, died at start-up for want of
+    a logging directory. Its logs go into the staged output, so they end up in `<output_dir>/runs`."""
+    out = tmp_path / "run"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--report_to", "tensorboard")
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = list((out / "runs").rglob("events.out.tfevents.*"))
+    assert events and all(e.stat().st_size > 0 for e in events)
+    assert not list(tmp_path.glob(".*.partial"))
+
+
 # --- what a resume refuses ------------------------------------------------------------------------
 
 
@@ -255,8 +267,8 @@ def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
 
 
 def test_the_adapter_check_compares_resolved_paths(tmp_path: Path, demo_cache: Path, demo_root: Path) -> None:
+    from fitrl.checkpoints import check_adapter_base
     from fitrl.config import UsageError
-    from fitrl.modeling import check_adapter_base
 
     adapter = _adapter_from(tmp_path, "grpo", "demo://reasoner")
     reasoner = str(demo_root / "reasoner")

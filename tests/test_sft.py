@@ -95,7 +95,7 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
     assert result.returncode == 0, result.stderr[-3000:]
     info = load_run_info(out)
     assert info["world_size"] == 2
-    digests = info["rank_adapter_digests"]
+    digests = info["rank_weight_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     # The digest is of the real weights: it matches the adapter file rank 0 wrote.
     assert tensor_digest(load_file(out / "adapter_model.safetensors")) == digests[0]
@@ -148,29 +148,44 @@ def test_non_empty_output_dir_is_refused_without_overwrite(tmp_path: Path, demo_
 
 
 @pytest.mark.slow
+def test_a_direct_run_and_accelerate_launch_write_the_same_adapter(tmp_path: Path, demo_cache: Path) -> None:
+    """One thread rule for every way a stage is launched: `accelerate launch` gives its process one
+    thread, and a direct run without OMP_NUM_THREADS (which would take every core) gets one too. The
+    runs also hash strings differently (PYTHONHASHSEED), which peft's set of LoRA targets follows."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["--config", SFT_YAML, "--demo_cache_dir", demo_cache, "--max_steps", "3", "--report_to", "none"]
+    runs = {"direct": [sys.executable], "accelerate": accelerate_launch(1)}
+    for i, (name, launcher) in enumerate(runs.items()):
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        cmd = [*launcher, str(CONFIGS.parent / "scripts" / "sft_lora.py"), *map(str, args)]
+        cmd += ["--output_dir", str(tmp_path / name)]
+        result = subprocess.run(cmd, env={**env, "PYTHONHASHSEED": str(i)}, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    for name in ["adapter_model.safetensors", "adapter_config.json"]:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "accelerate" / name).read_bytes(), name
+
+
+@pytest.mark.slow
 def test_the_same_seed_gives_the_same_adapter_whatever_ran_before(tmp_path: Path, demo_cache: Path) -> None:
     """The seed covers the LoRA init: two runs after different random draws write identical adapters."""
-    from conftest import load_script
+    from conftest import run_main
 
-    sft = load_script("sft_lora")
     digests = []
     for junk_seed in [0, 1]:
         torch.manual_seed(junk_seed)  # whatever a launcher or an import drew before the stage starts
         torch.rand(7)
         out = tmp_path / f"run{junk_seed}"
-        sft.main(
-            [
-                "--config",
-                str(SFT_YAML),
-                "--demo_cache_dir",
-                str(demo_cache),
-                "--output_dir",
-                str(out),
-                "--max_steps",
-                "2",
-                "--report_to",
-                "none",
-            ]
-        )
+        args = ["--config", SFT_YAML, "--demo_cache_dir", demo_cache, "--output_dir", out, "--max_steps", "2"]
+        assert run_main("sft_lora.py", *args, "--report_to", "none") == 0
         digests.append((out / "adapter_model.safetensors").read_bytes())
     assert digests[0] == digests[1]
+
+
+def test_an_output_inside_the_demo_models_folder_is_refused(demo_cache: Path, demo_root: Path) -> None:
+    out = demo_root / "lm" / "sft"
+    result = _sft(out, demo_cache)
+    assert result.returncode == 2 and "overlaps the stage's input" in error_line(result)
+    assert not out.exists()

@@ -28,19 +28,48 @@ from fitrl.config import UsageError, help_field
 from fitrl.demo.corpus import N_PROBLEMS, N_REVIEWS, make_problems, make_reviews
 from fitrl.outputs import write_jsonl
 
-VERSION = 4
+VERSION = 5
 DEFAULT_SEED = 1234
 DEFAULT_CACHE_DIR = "~/.cache/fitrl/demo"
 SCHEME = "demo://"
 N_TEST_REVIEWS = 400
 N_TEST_PROBLEMS = 300
-# A fixed thread count: the same bits on any machine (1 thread gave that too, 1.5x slower).
+# The numeric path every build takes, whatever the CPU, so that the assets are the same bytes on any
+# x86-64 machine with AVX2 (Intel since 2013, AMD since 2015): ATen's AVX2 kernels (an AVX-512 machine
+# would dispatch to others, one without AVX2 can only take the slower portable ones), MKL's
+# conditional-numerical-reproducibility AVX2 branch (its default picks kernels by CPU model and
+# vendor), oneDNN capped likewise, and a fixed thread count. On the 2-core AMD box this costs nothing:
+# 40 steps of the demo LM take 6.3 s pinned or not, bit for bit the same; the portable kernels and
+# MKL's COMPATIBLE branch give other bits and take 8.0 and 13.7 s. The libraries read these once, as
+# they start: a build runs in a child process.
 BUILD_THREADS = 2
+BUILD_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": str(BUILD_THREADS),
+    "MKL_NUM_THREADS": str(BUILD_THREADS),
+}
+# `assets_digest` of the build of this VERSION with DEFAULT_SEED on that path: the tests check every new
+# build against it. A change to the corpus, the models or their training changes it: bump VERSION and
+# record the new digest.
+ASSETS_DIGEST = "2212aaa8adca154661414dafdc2ebc9aeb1e24074887dca5001e8df6767b9718"
 MODELS = ("lm", "reasoner", "classifier")
 DATASETS = ("reviews", "arithmetic")
 MANIFEST = "manifest.json"
 
-__all__ = ["N_PROBLEMS", "N_REVIEWS", "DemoArguments", "build", "demo_dir", "is_demo_uri", "manifest", "resolve"]
+__all__ = [
+    "ASSETS_DIGEST",
+    "N_PROBLEMS",
+    "N_REVIEWS",
+    "DemoArguments",
+    "assets_digest",
+    "build",
+    "demo_dir",
+    "is_demo_uri",
+    "manifest",
+    "resolve",
+]
 
 
 @dataclass
@@ -78,7 +107,7 @@ def build(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
         staging = root.with_name(root.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         try:
-            _build_into(staging, seed)
+            _build_in_child(staging, seed)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -87,7 +116,30 @@ def build(cache_dir: str | Path, seed: int = DEFAULT_SEED) -> Path:
     return root
 
 
-def _build_into(staging: Path, seed: int) -> None:
+def _build_in_child(staging: Path, seed: int) -> None:
+    """`python -m fitrl.demo STAGING SEED` under `BUILD_ENV`, its progress on this process's stderr."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "fitrl.demo", str(staging), str(seed)]
+    result = subprocess.run(cmd, env={**os.environ, **BUILD_ENV})
+    if result.returncode != 0:
+        raise RuntimeError(f"building the demo assets failed (exit {result.returncode}); see the traceback above")
+
+
+def assets_digest(root: str | Path) -> str:
+    """One SHA-256 over every file of a build (its relative path and its bytes): equal builds, equal digests."""
+    import hashlib
+
+    root, total = Path(root), hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        total.update(str(path.relative_to(root)).encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return total.hexdigest()
+
+
+def build_into(staging: Path, seed: int) -> None:
+    """Build every asset into `staging` in this process (`python -m fitrl.demo` runs it under `BUILD_ENV`)."""
     import torch
 
     from fitrl.demo import models

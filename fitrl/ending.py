@@ -1,0 +1,99 @@
+"""How every training stage ends, in one place: the ranks agree, then rank 0 writes the trained weights,
+the tokenizer, `run_config.yaml`, `run_info.json` (one layout for every stage), the curves, the
+samples, and prints one summary line.
+
+`run_info.json` holds, for every training stage: `stage`, `resolved_model_path`, `world_size`,
+`resumed_from`, `trainable_parameters`, `rank_weight_digests` (one per rank: equal, or the run
+fails), `memory` (planned and measured peaks, `fitrl.memory.memory_report`), then the stage's own
+figures (`details`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fitrl.config import save_run_config, save_run_info
+from fitrl.distributed import check_ranks_in_sync
+from fitrl.outputs import markdown_cell, plot_curves
+
+
+@dataclass
+class TrainingEnd:
+    """What a training stage leaves behind."""
+
+    stage: str
+    configs: tuple[Any, ...]
+    model_path: str  # the base, resolved
+    world_size: int
+    trained: dict[str, torch.Tensor]  # the weights every rank must hold alike
+    save_weights: Callable[[Path], None]  # writes them into the output directory (rank 0)
+    tokenizer: Any
+    trainable_parameters: int
+    memory: dict[str, Any]
+    metrics: Sequence[dict[str, Any]]
+    curves: list[str]  # metrics to plot, one panel each
+    plot: str  # its file name
+    title: str
+    summary: str  # one line for the console
+    resumed_from: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)  # the stage's own figures for run_info.json
+    samples: tuple[str, str] | None = None  # (file name, markdown)
+
+
+def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
+    """Every rank checks that all hold the same weights; rank 0 writes the stage's outputs into `out`."""
+    digests = check_ranks_in_sync(end.trained, f"{end.stage} weights")
+    if not is_main:
+        return
+    end.save_weights(out)
+    stable_adapter_config(out)
+    end.tokenizer.save_pretrained(out)
+    save_run_config(out, *end.configs)
+    info = {
+        "stage": end.stage,
+        "resolved_model_path": end.model_path,
+        "world_size": end.world_size,
+        "resumed_from": end.resumed_from,
+        "trainable_parameters": end.trainable_parameters,
+        "rank_weight_digests": digests,
+        "memory": end.memory,
+        **end.details,
+    }
+    save_run_info(out, info)
+    plot_curves(end.metrics, end.curves, out / end.plot, title=end.title)
+    if end.samples is not None:
+        name, text = end.samples
+        (out / name).write_text(text)
+    print(end.summary)
+
+
+def stable_adapter_config(out: Path) -> None:
+    """peft keeps `target_modules` as a set and writes it in the process's hash order, which differs from
+    run to run: written sorted, the same run writes the same `adapter_config.json`."""
+    path = out / "adapter_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def samples_markdown(title: str, groups: dict[str, list[dict[str, Any]]]) -> str:
+    """Samples as markdown: a heading, then per group a table whose columns are the rows' keys."""
+    lines = [f"# {title}"]
+    for name, rows in groups.items():
+        if not rows:
+            continue
+        columns = list(rows[0])
+        lines += ["", f"## {name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for row in rows:
+            cells = [f"{v:.3f}" if isinstance(v, float) else markdown_cell(str(v)) for v in row.values()]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,27 @@
+"""The stages of fitrl, in pipeline order: the one list every tool reads.
+
+Each module holds a stage's argument dataclasses and its `STAGE` record (`fitrl.stages.base.Stage`):
+its place in the pipeline, its memory workload and suggestions, its report figures. Its script in
+`scripts/` tells the stage's story. `docs/architecture.md` says how to add one.
+"""
+
+from __future__ import annotations
+
+from fitrl.config import UsageError
+from fitrl.stages import eval_gsm8k, eval_sentiment, grpo, merge, ppo, sft
+from fitrl.stages.base import Stage, StageMemory
+
+STAGES: tuple[Stage, ...] = (sft.STAGE, merge.STAGE, ppo.STAGE, eval_sentiment.STAGE, grpo.STAGE, eval_gsm8k.STAGE)
+NAMES = tuple(s.name for s in STAGES)
+PLANNABLE = tuple(s.name for s in STAGES if s.memory is not None)
+
+
+def get(name: str) -> Stage:
+    """The stage called `name`; an unknown name is a usage error listing the known ones."""
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    raise UsageError(f"unknown stage '{name}'; known: {' '.join(NAMES)}")
+
+
+__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get"]

@@ -1,0 +1,138 @@
+"""What a stage is, in one record: `Stage`, and the pieces its modules share.
+
+A stage module (`fitrl/stages/<stage>.py`) holds its argument dataclasses and one `STAGE` that says
+where its output goes in a run directory, which stage's output it reads, how it is launched, what
+it checkpoints, what memory one of its steps needs (`StageMemory`) and which figures, plot and
+samples the report shows. The pipeline, the planner, the report, the tests and the benches read
+these records, never a stage's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fitrl.config import parse_config
+from fitrl.modeling import DEFAULT_LORA_TARGETS, LoraArguments, ModelArguments
+from fitrl.outputs import METRICS_NAME, read_jsonl
+from fitrl.workload import Workload
+
+T = TypeVar("T")
+Configs = tuple[Any, ...]  # a stage's config dataclasses, filled, in the order of its `config_types`
+Moves = list[tuple[str, dict[str, Any]]]  # named changes of settings, in the stage's own flag names
+
+
+def config_of(configs: Sequence[Any], kind: type[T]) -> T:
+    """The config of type `kind` among a stage's filled configs."""
+    return next(c for c in configs if isinstance(c, kind))
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """What the planner needs of a training stage: its step as a `Workload`, and what saves memory.
+
+    `workload(configs, model_type, on_gpu, world_size)`; `moves(configs)`: one-step changes of the
+    stage's own shapes and batches that save memory, in its flag names, cheapest first
+    (`fitrl.planner` adds the ones every stage shares: checkpointing, the optimizer, quantization,
+    LoRA targets); `batch_moves` comes before quantization, `shape_moves` after it.
+    """
+
+    workload: Callable[[Configs, str, bool, int], Workload]
+    optimizer_key: str  # the flag naming the optimizer
+    eight_bit_optimizer: str  # its 8-bit choice the planner suggests
+    batch_moves: Callable[[Configs], Moves]
+    shape_moves: Callable[[Configs], Moves] = lambda configs: []
+    reward_model: Callable[[Configs], str | None] = lambda configs: None  # a second model loaded beside
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the recipe: its settings, its place in the pipeline, its memory, its report."""
+
+    name: str
+    script: str  # in scripts/
+    config_types: tuple[type, ...]
+    output_dir: str  # its directory inside a run directory
+    figures: Callable[[Path], list[str]]  # its key results, read back from its output directory
+    reads: tuple[str, str] | None = None  # (the setting naming its input, the stage whose output that is)
+    training: bool = False  # launched through accelerate; else one process of file work
+    checkpoint_prefix: str | None = None  # resumable: `<output_dir>.checkpoints/<prefix>-N`
+    memory: StageMemory | None = None  # plannable
+    plot: str | None = None
+    samples: str | None = None  # a markdown file the report shows
+    # Defaults read from the stage before (its run_config.yaml), under the config file and the flags.
+    inherited: Callable[[list[str]], dict[str, Any]] | None = None
+
+    def parse(self, argv: Sequence[str] | None = None) -> Configs:
+        """The stage's settings from `--config` and flags, exactly as its script reads them."""
+        argv = list(sys.argv[1:] if argv is None else argv)
+        defaults = self.inherited(argv) if self.inherited else None
+        return parse_config(self.config_types, argv, defaults)
+
+
+# --- pieces the stage modules share ---------------------------------------------------------------
+
+
+def compute_dtype(model_args: ModelArguments, on_gpu: bool) -> str:
+    if model_args.dtype == "auto":
+        return "bfloat16" if on_gpu else "float32"
+    return model_args.dtype
+
+
+def lora_workload(
+    stage: str,
+    configs: Configs,
+    model_type: str,
+    on_gpu: bool,
+    gradient_checkpointing: bool,
+    default_targets: dict[str, list[str]] = DEFAULT_LORA_TARGETS,
+    **shapes: Any,
+) -> Workload:
+    """The `Workload` of a LoRA stage: the base and adapter from its model and LoRA configs, `shapes` its own."""
+    model_args, lora_args = config_of(configs, ModelArguments), config_of(configs, LoraArguments)
+    targets = lora_args.lora_target_modules or default_targets.get(model_type, ["all-linear"])
+    return Workload(
+        stage=stage,
+        quantization=model_args.quantization,
+        dtype=compute_dtype(model_args, on_gpu),
+        lora_r=lora_args.lora_r,
+        lora_targets=tuple(targets),
+        gradient_checkpointing=gradient_checkpointing,
+        int8_keeps_input=on_gpu,
+        **shapes,
+    )
+
+
+def halve_micro_batch(micro_batch: int, accumulation: int) -> Moves:
+    """Half the sequences per pass, twice the passes: the same effective batch (trl's trainers' flags)."""
+    if micro_batch <= 1:
+        return []
+    return [
+        (
+            "micro-batch",
+            {"per_device_train_batch_size": micro_batch // 2, "gradient_accumulation_steps": accumulation * 2},
+        )
+    ]
+
+
+def metrics_rows(out: Path) -> list[dict[str, Any]]:
+    path = out / METRICS_NAME
+    return read_jsonl(path) if path.is_file() else []
+
+
+def series(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def start_end(values: list[float], span: int = 5) -> tuple[float, float]:
+    """Mean of the first and of the last `span` points: the trend, not one noisy step."""
+    span = max(1, min(span, len(values) // 4 or 1))
+    return sum(values[:span]) / span, sum(values[-span:]) / span
+
+
+def field_names(*types: type) -> set[str]:
+    return {f.name for t in types for f in dataclasses.fields(t)}

@@ -1,0 +1,77 @@
+"""The eval_gsm8k stage: GSM8K accuracy with and without the GRPO adapter (greedy, or pass@k).
+
+Script: `scripts/evaluate_gsm8k.py`. Writes `completions.jsonl` and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fitrl.config import check, help_field
+from fitrl.demo import DemoArguments
+from fitrl.gsm8k import GSM8KDataArguments
+from fitrl.modeling import ModelArguments
+from fitrl.stages.base import Stage
+
+
+@dataclass
+class GSM8KEvalArguments:
+    """What to evaluate and how to decode."""
+
+    adapter: str | None = help_field(None, "LoRA adapter directory (a GRPO output) on the model; null: none.")
+    output_dir: str = help_field("outputs/eval_gsm8k", "Where completions.jsonl and summary.json go.")
+    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
+    num_samples: int = help_field(
+        1, "Completions per problem: 1 at temperature 0 is greedy accuracy; k > 1 gives pass@k."
+    )
+    temperature: float = help_field(0.0, "0: greedy decoding; > 0: sampling at this temperature (needed for k > 1).")
+    max_new_tokens: int = help_field(786, "Longest completion in tokens.")
+    batch_size: int = help_field(64, "Problems per generation batch.")
+    num_fewshot: int = help_field(
+        0, "Solved train problems shown before each question (published base-model baselines use 8)."
+    )
+    fewshot_seed: int = help_field(1234, "Which train problems the few-shot examples are.")
+    compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
+    seed: int = help_field(0, "Random seed of the sampling.")
+    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
+
+    def validate(self) -> None:
+        check(self.num_samples >= 1, "num_samples", ">= 1")
+        check(self.temperature >= 0, "temperature", ">= 0")
+        check(self.num_samples == 1 or self.temperature > 0, "temperature", "> 0 when num_samples > 1 (pass@k samples)")
+        check(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
+        check(self.batch_size >= 1, "batch_size", ">= 1")
+        check(self.num_fewshot >= 0, "num_fewshot", ">= 0")
+
+
+CONFIG_TYPES = (ModelArguments, GSM8KDataArguments, GSM8KEvalArguments, DemoArguments)
+
+
+def figures(out: Path) -> list[str]:
+    path = out / "summary.json"
+    if not path.is_file():
+        return []
+    s = json.loads(path.read_text())
+    base = s.get("without_adapter") or {}
+    line = f"accuracy {s['accuracy']:.1%} with the adapter"
+    if "accuracy" in base:
+        line += f", {base['accuracy']:.1%} without"
+    found = [line + f" ({s['problems']} {s.get('split', '')} problems)"]
+    if "format_compliance" in s:
+        found.append(
+            f"format compliance {s['format_compliance']:.0%}"
+            + (f" (without: {base['format_compliance']:.0%})" if "format_compliance" in base else "")
+        )
+    return found
+
+
+STAGE = Stage(
+    name="eval_gsm8k",
+    script="evaluate_gsm8k.py",
+    config_types=CONFIG_TYPES,
+    output_dir="eval_gsm8k",
+    figures=figures,
+    reads=("adapter", "grpo"),
+)

@@ -1,0 +1,90 @@
+"""The eval stage: the PPO policy against its reference on held-out prompts (reward, judge, KL).
+
+Script: `scripts/evaluate_sentiment.py`. Reads the PPO run's settings (its `run_config.yaml`) as
+defaults, so it answers prompts the way the policy was trained to. Writes `eval.json`, `eval.md`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fitrl.config import check, help_field, load_run_config, parse_config
+from fitrl.demo import DemoArguments
+from fitrl.modeling import ModelArguments
+from fitrl.sentiment import PromptArguments, RewardArguments
+from fitrl.stages.base import Stage, config_of, field_names
+
+
+@dataclass
+class SentimentEvalArguments:
+    """What to evaluate and where the report goes."""
+
+    adapter_dir: str = help_field("outputs/ppo", "The PPO stage's output directory (the policy adapter).")
+    output_dir: str = help_field("outputs/eval", "Where eval.json, eval.md and reward_hist.png go.")
+    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
+    n_prompts: int = help_field(128, "Held-out prompts to answer.")
+    batch_size: int = help_field(32, "Prompts per generation batch.")
+    n_samples_shown: int = help_field(6, "Side-by-side samples in eval.md.")
+    seed: int = help_field(1234, "Seed of the query lengths, response lengths and sampling.")
+    force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
+    judge_model: str | None = help_field(
+        None,
+        "A second sentiment judge the policy never trained against, reported beside the reward: a sequence "
+        "classifier (hub id or local dir) or demo://lexicon (the demo corpus's own rule reader). Empty: none.",
+    )
+    judge_positive_label: str = help_field("POSITIVE", "The judge classifier's positive label.")
+
+    def validate(self) -> None:
+        check(self.n_prompts >= 1, "n_prompts", ">= 1")
+        check(self.batch_size >= 1, "batch_size", ">= 1")
+        check(self.n_samples_shown >= 0, "n_samples_shown", ">= 0")
+
+
+CONFIG_TYPES = (ModelArguments, PromptArguments, RewardArguments, SentimentEvalArguments, DemoArguments)
+
+
+def ppo_settings(argv: list[str]) -> dict:
+    """The model, prompt and reward settings the PPO run wrote to its `run_config.yaml`.
+
+    The evaluation answers prompts the way the policy was trained to, unless the config or a flag
+    says otherwise; only the split (held-out prompts) and the number of prompts are its own.
+    """
+    eval_args = config_of(parse_config(CONFIG_TYPES, argv), SentimentEvalArguments)
+    trained = load_run_config(Path(eval_args.adapter_dir).expanduser())
+    inherited = field_names(ModelArguments, PromptArguments, RewardArguments) - {"dataset_split", "max_prompts"}
+    return {k: v for k, v in trained.items() if k in inherited}
+
+
+def figures(out: Path) -> list[str]:
+    path = out / "eval.json"
+    if not path.is_file():
+        return []
+    e = json.loads(path.read_text())
+    found = [
+        f"held-out reward {e['reference']['mean']:.2f} (reference) -> {e['policy']['mean']:.2f} (policy) "
+        f"on {e['n_prompts']} prompts",
+        f"KL {e['kl_mean']:.2f} nats",
+    ]
+    if "positive_share" in e["policy"]:
+        r, p = e["reference"], e["policy"]
+        found.append(f"called positive by the reward model {r['positive_share']:.0%} -> {p['positive_share']:.0%}")
+        found.append(f"corpus words in responses {r['corpus_word_share']:.1%} -> {p['corpus_word_share']:.1%}")
+    if "judge" in e:
+        j = e["judge"]
+        found.append(f"positive by the judge ({j.get('model', 'judge')}) {j['reference']:.0%} -> {j['policy']:.0%}")
+    return found
+
+
+STAGE = Stage(
+    name="eval",
+    script="evaluate_sentiment.py",
+    config_types=CONFIG_TYPES,
+    output_dir="eval",
+    figures=figures,
+    reads=("adapter_dir", "ppo"),
+    plot="reward_hist.png",
+    samples="eval.md",
+    inherited=ppo_settings,
+)

@@ -1,0 +1,170 @@
+"""The GRPO stage: a LoRA adapter learns GSM8K's answer format and arithmetic from group-relative rewards.
+
+Script: `scripts/grpo_gsm8k.py` (trl's `GRPOTrainer`, fitrl's rewards and prompts). Writes the
+adapter, `grpo_curves.png`, `samples.md`; checkpoints `checkpoint-N` (trl's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from fitrl.config import UsageError, check, help_field
+from fitrl.demo import DemoArguments
+from fitrl.gsm8k import GSM8KDataArguments
+from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
+from fitrl.stages.base import (
+    Configs,
+    Moves,
+    Stage,
+    StageMemory,
+    config_of,
+    halve_micro_batch,
+    lora_workload,
+    metrics_rows,
+    series,
+    start_end,
+)
+from fitrl.workload import Workload
+
+
+@dataclass
+class GRPOArguments:
+    """Training settings of the GRPO stage (defaults: the Llama-1B blog's)."""
+
+    output_dir: str = help_field("outputs/grpo", "Where the adapter, config, metrics, curves and samples go.")
+    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
+    learning_rate: float = help_field(5e-6, "Peak learning rate of the LoRA weights.")
+    adam_beta1: float = help_field(0.9, "AdamW beta1.")
+    adam_beta2: float = help_field(0.99, "AdamW beta2.")
+    weight_decay: float = help_field(0.1, "AdamW weight decay.")
+    warmup_ratio: float = help_field(0.1, "Fraction of the steps spent warming the learning rate up.")
+    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = help_field(
+        "cosine", "Learning-rate schedule."
+    )
+    max_grad_norm: float = help_field(0.1, "Clip the gradient norm to this.")
+    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = help_field(
+        "adamw_torch", "Optimizer; the 8-bit and paged ones (bitsandbytes) keep Adam's state small or pageable."
+    )
+    num_train_epochs: float = help_field(1.0, "Passes over the problems (ignored when max_steps > 0).")
+    max_steps: int = help_field(-1, "Stop after this many optimizer steps (-1: run num_train_epochs).")
+    per_device_train_batch_size: int = help_field(4, "Completions per device per forward/backward pass.")
+    gradient_accumulation_steps: int = help_field(1, "Passes summed into one optimizer step.")
+    num_generations: int = help_field(4, "Completions sampled per question: the group GRPO normalises over.")
+    max_completion_length: int = help_field(786, "Longest completion in tokens.")
+    temperature: float = help_field(1.0, "Sampling temperature of the completions.")
+    steps_per_generation: int | None = help_field(
+        None, "Optimizer steps each generated batch serves (empty: gradient_accumulation_steps)."
+    )
+    generation_batch_size: int | None = help_field(
+        None, "Completions generated at once (empty: per_device_train_batch_size x processes x steps_per_generation)."
+    )
+    num_iterations: int = help_field(1, "Passes over each generated batch (GRPO's mu); > 1 clips the ratio.")
+    epsilon: float = help_field(0.2, "Clip range of the policy ratio when num_iterations > 1.")
+    beta: float = help_field(0.0, "KL penalty to the reference (adapter off); 0 skips the reference pass entirely.")
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = help_field(
+        "dapo", "How token losses are averaged: 'grpo' per sequence (length-biased), 'dapo' per token."
+    )
+    gradient_checkpointing: bool = help_field(True, "Recompute activations in backward: far less memory, ~30% slower.")
+    use_vllm: bool = help_field(False, "Generate with vLLM colocated on the GPU (needs vllm installed and CUDA).")
+    vllm_gpu_memory_utilization: float = help_field(0.3, "Share of the GPU vLLM may take when use_vllm is on.")
+    logging_steps: int = help_field(1, "Log (metrics.jsonl, progress bar) every this many steps.")
+    save_steps: int = help_field(0, "Save a resumable checkpoint every this many steps (0: none).")
+    resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
+    num_samples_to_show: int = help_field(4, "Questions whose greedy completions are shown before and after.")
+    report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
+    seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
+
+    def validate(self) -> None:
+        check(self.learning_rate > 0, "learning_rate", "> 0")
+        check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
+        check(self.max_completion_length >= 1, "max_completion_length", ">= 1")
+        check(self.temperature > 0, "temperature", "> 0")
+        check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
+        check(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
+        check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "-1 or >= 1")
+        check(self.beta >= 0, "beta", ">= 0")
+        check(self.num_iterations >= 1, "num_iterations", ">= 1")
+        check(self.epsilon > 0, "epsilon", "> 0")
+        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
+        check(self.save_steps >= 0, "save_steps", ">= 0")
+        check(self.num_samples_to_show >= 0, "num_samples_to_show", ">= 0")
+
+
+CONFIG_TYPES = (ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments, DemoArguments)
+
+
+def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -> Workload:
+    args, data = config_of(configs, GRPOArguments), config_of(configs, GSM8KDataArguments)
+    micro = args.per_device_train_batch_size
+    steps = args.steps_per_generation or args.gradient_accumulation_steps
+    w = lora_workload(
+        "grpo",
+        configs,
+        model_type,
+        on_gpu,
+        args.gradient_checkpointing,
+        GRPO_LORA_TARGETS,
+        optimizer=args.optim,
+        micro_batch=micro,
+        prompt_len=data.max_prompt_length,
+        completion_len=args.max_completion_length,
+        gen_batch=args.generation_batch_size or micro * world_size * steps,
+        reference_pass=args.beta > 0,
+        temperature=args.temperature,
+    )
+    if w.gen_batch % args.num_generations:
+        raise UsageError(
+            f"invalid value for 'num_generations': the generation batch ({w.gen_batch} completions: "
+            f"per_device_train_batch_size x processes x steps) must be a multiple of it (got {args.num_generations})"
+        )
+    return w
+
+
+def batch_moves(configs: Configs) -> Moves:
+    args = config_of(configs, GRPOArguments)
+    return halve_micro_batch(args.per_device_train_batch_size, args.gradient_accumulation_steps)
+
+
+def shape_moves(configs: Configs) -> Moves:
+    args = config_of(configs, GRPOArguments)
+    moves: Moves = []
+    if args.num_generations > 2:
+        moves.append(("generations", {"num_generations": args.num_generations // 2}))
+    if args.max_completion_length > 64:
+        moves.append(("completion length", {"max_completion_length": args.max_completion_length * 3 // 4}))
+    return moves
+
+
+def figures(out: Path) -> list[str]:
+    rows = metrics_rows(out)
+    rewards, accuracy = series(rows, "reward"), series(rows, "rewards/accuracy_reward/mean")
+    if not rewards:
+        return []
+    start, end = start_end(rewards)
+    found = [f"reward {start:.3f} -> {end:.3f} over {len(rewards)} steps"]
+    if accuracy:
+        a0, a1 = start_end(accuracy)
+        found.append(f"accuracy reward {a0:.3f} -> {a1:.3f}")
+    return found
+
+
+STAGE = Stage(
+    name="grpo",
+    script="grpo_gsm8k.py",
+    config_types=CONFIG_TYPES,
+    output_dir="grpo",
+    figures=figures,
+    training=True,
+    checkpoint_prefix="checkpoint",
+    memory=StageMemory(
+        workload=workload,
+        optimizer_key="optim",
+        eight_bit_optimizer="paged_adamw_8bit",
+        batch_moves=batch_moves,
+        shape_moves=shape_moves,
+    ),
+    plot="grpo_curves.png",
+    samples="samples.md",
+)

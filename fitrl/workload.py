@@ -1,0 +1,41 @@
+"""What one training step allocates depends on: a stage's settings as shapes, in tokens and sequences.
+
+A leaf (no torch): each stage module (`fitrl.stages`) builds its `Workload` from its typed config,
+`fitrl.memtrace` runs that step under a tracker and `fitrl.planner` sums it up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step of a stage allocates depends on: the settings and shapes, in tokens and sequences."""
+
+    stage: str  # sft | ppo | grpo
+    quantization: str = "none"  # none | 8bit | 4bit
+    dtype: str = "bfloat16"  # the compute dtype: float32 | bfloat16 | float16
+    finetuning: str = "lora"  # lora | full
+    lora_r: int = 16
+    lora_targets: tuple[str, ...] = ("all-linear",)
+    optimizer: str = "adamw"  # adamw | adamw_8bit | paged_adamw_8bit | paged_adamw_32bit | adafactor
+    gradient_checkpointing: bool = False
+    micro_batch: int = 1  # sequences per training forward
+    prompt_len: int = 0  # PPO query / GRPO prompt tokens; 0 for SFT
+    completion_len: int = 512  # PPO response / GRPO completion tokens; SFT: the block size
+    gen_batch: int = 0  # sequences generated at once (0: no generation)
+    nograd_batch: int = 0  # sequences per no-grad pass (0: none)
+    reference_pass: bool = False  # log-probs with the adapter off
+    value_head: bool = False  # PPO's value head on the last hidden state
+    temperature: float = 1.0
+    # bitsandbytes' 8-bit product keeps its input for backward; fitrl's on a CPU keeps none (FrozenInt8Product)
+    int8_keeps_input: bool = True
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.completion_len
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantization != "none"
