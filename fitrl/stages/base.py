@@ -35,10 +35,10 @@ def config_of(configs: Sequence[Any], kind: type[T]) -> T:
 class StageMemory:
     """What the planner needs of a training stage: its step as a `Workload`, and what saves memory.
 
-    `workload(configs, model_type, on_gpu, world_size)`; `moves(configs)`: one-step changes of the
-    stage's own shapes and batches that save memory, in its flag names, cheapest first
-    (`fitrl.planner` adds the ones every stage shares: checkpointing, the optimizer, quantization,
-    LoRA targets); `batch_moves` comes before quantization, `shape_moves` after it.
+    `workload(configs, model_type, on_gpu, world_size)`; `batch_moves(configs)` and
+    `shape_moves(configs)`: one-step changes of the stage's own batches and shapes that save memory,
+    in its flag names, cheapest first. `fitrl.planner` puts them among the moves every stage shares
+    (checkpointing, the optimizer, then the batch moves, quantization, the shape moves, LoRA targets).
     """
 
     workload: Callable[[Configs, str, bool, int], Workload]
