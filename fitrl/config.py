@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -121,6 +122,9 @@ def _check_types(obj: Any) -> None:
         if not ok:
             names = " or ".join(sorted({"null" if t is type(None) else t.__name__ for t in allowed}))
             raise UsageError(f"invalid value for '{f.name}': must be {names} (got {value!r})")
+        # nan passes every comparison a range check makes, and inf most: no setting wants either.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UsageError(f"invalid value for '{f.name}': must be a finite number (got {value!r})")
 
 
 def _check_config_file(args: list[str], dataclass_types: Sequence[type]) -> None:

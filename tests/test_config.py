@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -101,3 +102,26 @@ def test_help_shows_every_help_string_as_written(script: str, text: str) -> None
     result = run_script(script, "--help")
     assert result.returncode == 0, result.stderr[-2000:]
     assert text in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize(
+    ("stage", "flag", "value", "message"),
+    [
+        ("sft", "--learning_rate", "inf", "'learning_rate': must be a finite number"),
+        ("sft", "--weight_decay", "nan", "'weight_decay': must be a finite number"),
+        ("sft", "--weight_decay", "-0.1", "'weight_decay': must be >= 0"),
+        ("sft", "--seed", "-1", "'seed': must be >= 0"),
+        ("ppo", "--vf_coef", "-1", "'vf_coef': must be >= 0"),
+        ("ppo", "--ratio_threshold", "-1", "'ratio_threshold': must be > 0"),
+        ("ppo", "--init_kl_coef", "inf", "'init_kl_coef': must be a finite number"),
+        ("grpo", "--adam_beta1", "1.5", "'adam_beta1': must be in [0, 1)"),
+        ("grpo", "--weight_decay", "-0.1", "'weight_decay': must be >= 0"),
+        ("eval_gsm8k", "--seed", "-1", "'seed': must be >= 0"),
+    ],
+)
+def test_every_numeric_setting_is_checked_for_range_and_finiteness(stage: str, flag: str, value: str, message: str):
+    """Values nothing checked before: nan and inf pass every comparison a range check makes (or most),
+    a negative weight decay trained and exited 0, a negative seed died in a traceback."""
+    config = CONFIGS / "demo" / f"{stage}.yaml"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        stages.get(stage).parse(["--config", str(config), flag, value])

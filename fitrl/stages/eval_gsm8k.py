@@ -44,6 +44,7 @@ class GSM8KEvalArguments:
         check(self.max_new_tokens >= 1, "max_new_tokens", ">= 1")
         check(self.batch_size >= 1, "batch_size", ">= 1")
         check(self.num_fewshot >= 0, "num_fewshot", ">= 0")
+        check(self.seed >= 0 and self.fewshot_seed >= 0, "seed", ">= 0 (and fewshot_seed too)")
 
 
 CONFIG_TYPES = (ModelArguments, GSM8KDataArguments, GSM8KEvalArguments, DemoArguments)

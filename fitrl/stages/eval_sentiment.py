@@ -40,6 +40,7 @@ class SentimentEvalArguments:
         check(self.n_prompts >= 1, "n_prompts", ">= 1")
         check(self.batch_size >= 1, "batch_size", ">= 1")
         check(self.n_samples_shown >= 0, "n_samples_shown", ">= 0")
+        check(self.seed >= 0, "seed", ">= 0")
 
 
 CONFIG_TYPES = (ModelArguments, PromptArguments, RewardArguments, SentimentEvalArguments, DemoArguments)

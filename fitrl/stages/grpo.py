@@ -90,6 +90,12 @@ class GRPOArguments:
         check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
         check(self.save_steps >= 0, "save_steps", ">= 0")
         check(self.num_samples_to_show >= 0, "num_samples_to_show", ">= 0")
+        check(self.weight_decay >= 0, "weight_decay", ">= 0")
+        check(0 <= self.adam_beta1 < 1, "adam_beta1", "in [0, 1)")
+        check(0 <= self.adam_beta2 < 1, "adam_beta2", "in [0, 1)")
+        check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
+        check(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
+        check(self.seed >= 0, "seed", ">= 0")
 
 
 CONFIG_TYPES = (ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments, DemoArguments)

@@ -113,6 +113,9 @@ class PPOArguments:
         check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
         check(self.score_clip is None or self.score_clip > 0, "score_clip", "empty or > 0")
         check(self.target_policy_kl > 0, "target_policy_kl", "> 0")
+        check(self.vf_coef >= 0, "vf_coef", ">= 0")
+        check(self.ratio_threshold > 0, "ratio_threshold", "> 0")
+        check(self.seed >= 0, "seed", ">= 0")
 
 
 CONFIG_TYPES = (ModelArguments, LoraArguments, PromptArguments, RewardArguments, PPOArguments, DemoArguments)

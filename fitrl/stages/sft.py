@@ -71,6 +71,8 @@ class SFTArguments:
         check(self.save_steps >= 0, "save_steps", ">= 0")
         check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
         check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
+        check(self.weight_decay >= 0, "weight_decay", ">= 0")
+        check(self.seed >= 0, "seed", ">= 0")
 
 
 CONFIG_TYPES = (ModelArguments, LoraArguments, SFTArguments, DemoArguments)
