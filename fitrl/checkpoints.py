@@ -3,16 +3,22 @@ which base model and stage an adapter came from (`check_adapter_base`).
 
 Checkpoints go to `<output_dir>.checkpoints/`, a sibling of the staged output, so a stopped run keeps
 them. PPO names them `step-N`, trl's trainers `checkpoint-N`; both hold a `trainer_state.json`.
+A checkpoint is complete once it holds `run_config.yaml`, the last file written into it (PPO writes
+its checkpoint aside and renames it into place; for trl's, `fitrl.hf_trainer` adds the file after
+reading back what the trainer saved): a save cut off by `kill -9` or a full disk leaves a checkpoint
+without it, which `latest` skips and a resume refuses.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from fitrl.config import UsageError, first_line
+from fitrl.config import RUN_CONFIG_NAME, UsageError, first_line
 
 STATE_FILE = "trainer_state.json"
+COMPLETE_FILE = RUN_CONFIG_NAME
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -26,9 +32,13 @@ def _numbered(root: Path, prefix: str) -> dict[int, Path]:
     return {int(p.name.removeprefix(f"{prefix}-")): p for p in found}
 
 
+def is_complete(checkpoint: Path) -> bool:
+    return (checkpoint / COMPLETE_FILE).is_file() and (checkpoint / STATE_FILE).is_file()
+
+
 def latest_checkpoint(root: Path, prefix: str) -> Path | None:
-    """The `<prefix>-N` directory in `root` with the largest N, or None."""
-    found = _numbered(root, prefix)
+    """The complete `<prefix>-N` directory in `root` with the largest N, or None."""
+    found = {n: p for n, p in _numbered(root, prefix).items() if is_complete(p)}
     return found[max(found)] if found else None
 
 
@@ -40,12 +50,29 @@ def find_checkpoint(resume: str | None, output_dir: str | Path, prefix: str, sta
         root = checkpoint_root(output_dir)
         latest = latest_checkpoint(root, prefix)
         if latest is None:
-            raise UsageError(f"no checkpoint to resume in {root}; drop --resume_from_checkpoint")
+            raise UsageError(f"no complete checkpoint to resume in {root}; drop --resume_from_checkpoint")
+        for n, skipped in sorted(_numbered(root, prefix).items()):
+            if n > int(latest.name.rpartition("-")[2]):
+                print(f"skipping {skipped}: its save did not finish (no {COMPLETE_FILE})")
         return latest
     path = Path(resume).expanduser()
     if not (path / STATE_FILE).is_file():
         raise UsageError(f"{path} is not a {stage} checkpoint (no {STATE_FILE})")
+    if not is_complete(path):
+        raise UsageError(
+            f"checkpoint {path} is incomplete (no {COMPLETE_FILE}: its save was cut off, or fitrl did not "
+            f"write it){_suggest_previous(path)}"
+        )
     return path
+
+
+def stopped(reason: str, step: int, output_dir: str | Path, prefix: str | None, fix: str) -> Exception:
+    """The `RunFailed` of a run that cannot go on: it names the checkpoint to resume from, if any."""
+    from fitrl.config import RunFailed
+
+    latest = latest_checkpoint(checkpoint_root(output_dir), prefix) if prefix else None
+    kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was saved"
+    return RunFailed(f"{reason} at step {step}; {kept}; {fix}")
 
 
 def _suggest_previous(path: Path) -> str:
@@ -53,7 +80,7 @@ def _suggest_previous(path: Path) -> str:
     prefix, _, number = path.name.rpartition("-")
     if not number.isdigit():
         return ""
-    older = {n: p for n, p in _numbered(path.parent, prefix).items() if n < int(number)}
+    older = {n: p for n, p in _numbered(path.parent, prefix).items() if n < int(number) and is_complete(p)}
     return f"; resume from {older[max(older)]} instead" if older else ""
 
 
@@ -66,9 +93,11 @@ def load_state(path: Path, device: Any = "cpu") -> Any:
     import pickle
 
     import torch
+    from transformers.trainer_pt_utils import safe_globals
 
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        with safe_globals():  # numpy's random state, as in the Trainer's rng_state.pth, is data too
+            return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError:
         raise UsageError(
             f"{path} holds objects other than tensors and was refused (a checkpoint must not run code); "
@@ -93,9 +122,20 @@ def load_safetensors(path: Path, checkpoint: Path) -> dict[str, Any]:
 
 
 def check_checkpoint_files(checkpoint: Path) -> None:
-    """Read every safetensors file of a checkpoint once, so a damaged one fails before any model loads."""
+    """Read every file of a checkpoint once, so a damaged or crafted one fails before any model loads."""
+    try:
+        json.loads((checkpoint / STATE_FILE).read_bytes())
+    except (ValueError, OSError) as e:
+        raise UsageError(
+            f"cannot read {checkpoint / STATE_FILE} ({first_line(e)}); the checkpoint is damaged"
+            f"{_suggest_previous(checkpoint)}"
+        ) from None
     for path in sorted(checkpoint.rglob("*.safetensors")):
         load_safetensors(path, checkpoint)
+    for pattern in ("*.pt", "*.pth", "*.bin"):
+        for path in sorted(checkpoint.rglob(pattern)):
+            if path.name != "training_args.bin":  # the Trainer's pickled settings: a record, never loaded
+                load_state(path)
 
 
 # Settings a resumed run may change: they neither change the model nor the data it sees.

@@ -40,6 +40,13 @@ class RunFailed(Exception):
     """The run itself went wrong (a failed verification, NaN loss): printed as one line, exit code 1."""
 
 
+class Terminated(Exception):
+    """The run was asked to stop (SIGTERM): one line naming what was saved, exit code 143 (128 + 15)."""
+
+
+EXIT_TERMINATED = 143
+
+
 def first_line(exc: BaseException) -> str:
     """An exception as one line for the user: its first non-empty line, or its type's name."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -230,7 +237,10 @@ def with_overrides(configs: Sequence[Any], overrides: dict[str, Any]) -> tuple[A
 def save_run_config(output_dir: str | Path, *configs: Any) -> Path:
     """Write the resolved settings as `run_config.yaml`, readable back with `--config`."""
     path = Path(output_dir) / RUN_CONFIG_NAME
-    path.write_text(yaml.safe_dump(config_dict(*configs), sort_keys=False))
+    # Written aside and renamed: a checkpoint counts as complete once it holds this file.
+    staging = path.with_name(path.name + ".partial")
+    staging.write_text(yaml.safe_dump(config_dict(*configs), sort_keys=False))
+    staging.replace(path)
     return path
 
 
@@ -241,9 +251,22 @@ def save_run_info(output_dir: str | Path, info: dict[str, Any]) -> Path:
     return path
 
 
+def _damaged(path: Path, problem: str) -> UsageError:
+    return UsageError(f"{path} {problem}; it is damaged: rerun the stage that wrote it (or delete the file)")
+
+
 def load_run_info(directory: str | Path) -> dict[str, Any]:
+    """Read the `run_info.json` a stage wrote into `directory` ({} when there is none)."""
     path = Path(directory) / RUN_INFO_NAME
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        info = json.loads(path.read_bytes())
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+        raise _damaged(path, f"is not JSON ({first_line(e)})") from None
+    if not isinstance(info, dict):
+        raise _damaged(path, "does not hold a JSON object")
+    return info
 
 
 def load_run_config(directory: str | Path) -> dict[str, Any]:
@@ -251,7 +274,15 @@ def load_run_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / RUN_CONFIG_NAME
     if not path.is_file():
         return {}
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        config = yaml.safe_load(path.read_bytes())
+    except (yaml.YAMLError, OSError) as e:
+        raise _damaged(path, f"is not valid YAML ({first_line(e)})") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise _damaged(path, "does not hold settings (a mapping of key: value)")
+    return config
 
 
 STATUS_FILE_ENV = "FITRL_STATUS_FILE"
@@ -280,18 +311,22 @@ def one_thread_rule() -> int:
 
 
 def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a script's `main`: the thread rule, then a `UsageError` prints one line on stderr and exits 2,
-    a `RunFailed` exits 1."""
+    """Wrap a script's `main`: the thread rule and the SIGTERM rule (`fitrl.signals`), then a `UsageError`
+    prints one line on stderr and exits 2, a `RunFailed` exits 1, a `Terminated` 143."""
+    from fitrl import signals
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         one_thread_rule()
         try:
-            return main(*args, **kwargs)
+            with signals.terminate_cleanly():
+                return main(*args, **kwargs)
         except UsageError as e:
             _fail(str(e), EXIT_USAGE)
         except RunFailed as e:
             _fail(str(e), 1)
+        except Terminated as e:
+            _fail(str(e), EXIT_TERMINATED)
 
     return wrapper
 
@@ -305,11 +340,13 @@ def help_field(default: Any, help: str, **metadata: Any) -> Any:
 
 
 __all__ = [
+    "EXIT_TERMINATED",
     "EXIT_USAGE",
     "ArgumentParser",
     "RUN_CONFIG_NAME",
     "RUN_INFO_NAME",
     "RunFailed",
+    "Terminated",
     "UsageError",
     "check",
     "config_dict",

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fitrl.config import save_run_config, save_run_info
+from fitrl.config import RunFailed, save_run_config, save_run_info
 from fitrl.distributed import check_ranks_in_sync
 from fitrl.outputs import markdown_cell, plot_curves
 
@@ -47,7 +47,13 @@ class TrainingEnd:
 
 
 def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
-    """Every rank checks that all hold the same weights; rank 0 writes the stage's outputs into `out`."""
+    """Every rank checks that all hold the same, finite weights; rank 0 writes the stage's outputs into `out`."""
+    broken = [name for name, t in end.trained.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if broken:
+        raise RunFailed(
+            f"{len(broken)} trained tensors hold NaN or inf (first: {broken[0]}); nothing was written; "
+            "lower learning_rate"
+        )
     digests = check_ranks_in_sync(end.trained, f"{end.stage} weights")
     if not is_main:
         return

@@ -2,20 +2,28 @@
 
 SFT and GRPO share most of their training settings; `trainer_arguments` maps them onto the
 `TrainingArguments` fields in one place, with one rule for mixed precision (`trainer_precision`).
+The callbacks hold fitrl's promises on top of trl's loop: checkpoints that are complete or skipped
+(`checkpoint_extras`), a stop at the first non-finite value (`finite_guard`), a checkpoint and a
+clean stop on SIGTERM (`train`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fitrl.config import save_run_config
+from fitrl import signals
+from fitrl.checkpoints import COMPLETE_FILE, check_checkpoint_files, checkpoint_root, stopped
+from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
 from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
-from fitrl.outputs import METRICS_NAME, MetricsLog, write_jsonl
+from fitrl.outputs import METRICS_NAME, MetricsLog, read_jsonl, write_jsonl
+from fitrl.signals import StopRequest
 
 
 def trainer_precision(model_args: ModelArguments) -> dict[str, bool]:
@@ -41,6 +49,7 @@ def trainer_arguments(args: Any, model_args: ModelArguments, output_dir: str) ->
         "weight_decay": args.weight_decay,
         "max_grad_norm": args.max_grad_norm,
         "logging_steps": args.logging_steps,
+        "logging_nan_inf_filter": False,  # a NaN loss must show (and stop the run: `finite_guard`)
         "save_strategy": "steps" if args.save_steps > 0 else "no",
         "save_steps": args.save_steps or 500,
         "report_to": args.report_to,
@@ -64,21 +73,115 @@ def quiet_progress(trainer: Any) -> None:
 
 
 def checkpoint_extras(configs: tuple[Any, ...], metrics: MetricsLog) -> Any:
-    """A callback that adds to every Trainer checkpoint the run's settings and its metrics so far.
+    """A callback that completes every Trainer checkpoint: the run's metrics so far, a read-back of what
+    the trainer wrote, then the run's settings as the last file (`fitrl.checkpoints.COMPLETE_FILE`).
 
-    A resume checks its settings against the first (`fitrl.checkpoints.check_resume_config`) and
-    starts its `metrics.jsonl` from the second, so a resumed run reports its whole history.
+    A save cut off by `kill -9` or a full disk leaves no settings file, so `latest` skips that checkpoint.
+    A resume checks its settings against the saved ones (`fitrl.checkpoints.check_resume_config`) and
+    starts its `metrics.jsonl` from the saved rows, so a resumed run reports its whole history.
     """
     from transformers import TrainerCallback
 
+    def checkpoint(args: Any, state: Any) -> Path:
+        return Path(args.output_dir) / f"checkpoint-{state.global_step}"
+
     class _Extras(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            # A save about to overwrite a checkpoint (a resumed run passing the same step) makes it
+            # incomplete until it is done.
+            if control.should_save and state.is_world_process_zero:
+                (checkpoint(args, state) / COMPLETE_FILE).unlink(missing_ok=True)
+
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.is_world_process_zero:
-                checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                save_run_config(checkpoint, *configs)
-                write_jsonl(checkpoint / METRICS_NAME, metrics.rows)
+                path = checkpoint(args, state)
+                write_jsonl(path / METRICS_NAME, metrics.rows)
+                try:
+                    check_checkpoint_files(path)
+                except UsageError as e:
+                    raise RunFailed(f"the checkpoint just saved does not read back: {e}") from None
+                save_run_config(path, *configs)
 
     return _Extras()
+
+
+def finite_guard(output_dir: str | Path, fix: str) -> Any:
+    """A callback that stops the run at the first non-finite loss, gradient norm or trainable weight.
+
+    transformers would log a NaN loss as the mean of the earlier ones (`logging_nan_inf_filter`, off in
+    `trainer_arguments`) and train on; the weights are checked before the step's checkpoint is saved,
+    so no checkpoint and no output holds a non-finite adapter.
+    """
+    from transformers import TrainerCallback
+
+    def fail(what: str, state: Any) -> Exception:
+        return stopped(f"non-finite {what}", state.global_step, output_dir, "checkpoint", fix)
+
+    class _Finite(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            trainable = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+            if trainable and not all(bool(torch.isfinite(p).all()) for p in trainable):
+                raise fail("trainable weights", state)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            for key in ("loss", "grad_norm"):
+                value = (logs or {}).get(key)
+                if isinstance(value, (int, float)) and not math.isfinite(value):
+                    raise fail(f"{key} ({value})", state)
+
+    return _Finite()
+
+
+def stop_callback(request: StopRequest) -> Any:
+    """A callback that, once SIGTERM came (on any rank), saves a checkpoint at the step's end and stops."""
+    from transformers import TrainerCallback
+
+    class _Stop(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if request.requested():
+                control.should_save = True
+                control.should_training_stop = True
+
+    return _Stop()
+
+
+def start_metrics(out: Path, is_main: bool, resume: str | None) -> MetricsLog:
+    """The run's metrics log; a resumed run starts from the history its checkpoint kept."""
+    metrics = MetricsLog(out, enabled=is_main)
+    if resume is not None and (Path(resume) / METRICS_NAME).is_file():
+        for row in read_jsonl(Path(resume) / METRICS_NAME):
+            metrics.log(row)
+    return metrics
+
+
+def train(trainer: Any, metrics: MetricsLog, resume: str | None, output_dir: str, checkpoints_existed: bool) -> None:
+    """trl's loop, from the checkpoint to resume from if any, stopping cleanly on SIGTERM; afterwards the
+    run's loss over all its steps, and no empty checkpoint folder left behind."""
+    resumed_at = int(Path(resume).name.rpartition("-")[2]) if resume is not None else 0
+    try:
+        with signals.stop_at_step_end() as request:
+            trainer.add_callback(stop_callback(request))
+            trainer.train(resume_from_checkpoint=resume)
+    finally:
+        if not checkpoints_existed and trainer.is_world_process_zero():
+            with contextlib.suppress(OSError):  # the trainer made it and saved nothing into it
+                checkpoint_root(output_dir).rmdir()
+    step = trainer.state.global_step
+    if request.signal is not None:
+        saved = checkpoint_root(output_dir) / f"checkpoint-{step}"
+        raise Terminated(
+            f"stopped by {request.signal} after step {step}; saved {saved}; resume with --resume_from_checkpoint latest"
+        )
+    if step <= resumed_at:
+        raise RunFailed(
+            "no optimizer step ran (the data fill less than one step of per_device_train_batch_size x "
+            "gradient_accumulation_steps x processes); give more data, lower those, or set max_steps"
+        )
+    if resume is not None:
+        loss = whole_run_train_loss(metrics.rows, resumed_at)
+        if loss is not None:
+            next(r for r in metrics.rows if "train_loss" in r)["train_loss"] = loss
+            metrics.rewrite()
 
 
 def whole_run_train_loss(rows: list[dict[str, Any]], resumed_at: int) -> float | None:

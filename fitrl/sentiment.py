@@ -90,7 +90,14 @@ class SentimentReward:
 
         path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
         check_reward_label(path, args.positive_label)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        model, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+        if loading["missing_keys"]:
+            missing = sorted(loading["missing_keys"])
+            raise UsageError(
+                f"reward model {path} has no saved weights for {missing[0]} ({len(missing)} missing): its "
+                "classification head would be random; give a trained ...ForSequenceClassification model"
+            )
+        self.model = model.to(device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.label = self.model.config.label2id[args.positive_label]
         self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device

@@ -24,7 +24,6 @@ Trainer checkpoints go to `<output_dir>.checkpoints/`, outside the staged output
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +38,13 @@ from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.hf_trainer import (
     checkpoint_extras,
+    finite_guard,
     quiet_progress,
+    start_metrics,
     step_peak_callback,
     trainer_arguments,
-    whole_run_train_loss,
 )
+from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
 from fitrl.modeling import (
     GRPO_LORA_TARGETS,
@@ -54,7 +55,7 @@ from fitrl.modeling import (
     lora_config,
     resolve_model_path,
 )
-from fitrl.outputs import METRICS_NAME, MetricsLog, check_output_dir, metrics_callback, read_jsonl, staged_output_dir
+from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
@@ -133,6 +134,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code, padding_side="left")
     plain_template = ensure_chat_template(tokenizer)
     dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
+    check_enough_problems(len(dataset), args)
     if args.use_vllm and cpu_only():
         raise UsageError("use_vllm needs a CUDA GPU; set use_vllm false on this machine")
     details = {
@@ -179,6 +181,7 @@ def build(run: Run) -> None:
         callbacks=[
             metrics_callback(run.metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
             checkpoint_extras(run.configs, run.metrics),
+            finite_guard(args.output_dir, fix="lower learning_rate or max_grad_norm"),
             step_peak_callback(run.step_peak),
         ],
     )
@@ -187,13 +190,8 @@ def build(run: Run) -> None:
 
 
 def train(run: Run) -> None:
-    """trl's loop, from the checkpoint to resume from if any; the run's loss over all of it."""
-    run.trainer.train(resume_from_checkpoint=run.resume)
-    if run.resume is not None:
-        correct_train_loss(run.metrics, int(Path(run.resume).name.rpartition("-")[2]))
-    if not run.checkpoints_existed and run.args.save_steps == 0 and run.is_main:
-        with contextlib.suppress(OSError):  # the trainer made it; nothing was saved into it
-            checkpoint_root(run.args.output_dir).rmdir()
+    """trl's loop, from the checkpoint to resume from if any (`fitrl.hf_trainer.train`)."""
+    train_with_guards(run.trainer, run.metrics, run.resume, run.args.output_dir, run.checkpoints_existed)
 
 
 def finish(run: Run) -> None:
@@ -254,21 +252,20 @@ def load_base_and_lora(model_args: Any, lora_args: Any, args: Any, model_path: s
     return model, peft_config, targets
 
 
-def start_metrics(out: Path, is_main: bool, resume: str | None) -> MetricsLog:
-    """The run's metrics log; a resumed run starts from the history its checkpoint kept."""
-    metrics = MetricsLog(out, enabled=is_main)
-    if resume is not None and (Path(resume) / METRICS_NAME).is_file():
-        for row in read_jsonl(Path(resume) / METRICS_NAME):
-            metrics.log(row)
-    return metrics
+def check_enough_problems(n: int, args: GRPOArguments) -> None:
+    """Refuse a data set that fills less than one optimizer step (trl would run 0 steps and exit 0)."""
+    from fitrl.distributed import process_state
 
-
-def correct_train_loss(metrics: MetricsLog, resumed_at: int) -> None:
-    """The summary's train_loss over the whole run, not only the steps after the resume."""
-    loss = whole_run_train_loss(metrics.rows, resumed_at)
-    if loss is not None:
-        next(r for r in metrics.rows if "train_loss" in r)["train_loss"] = loss
-        metrics.rewrite()
+    if args.max_steps > 0:
+        return  # trl cycles through the data until max_steps
+    completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * process_state().num_processes
+    needed = -(-completions // args.num_generations)
+    if n < needed:
+        raise UsageError(
+            f"{n} problems fill less than one optimizer step ({needed} problems x num_generations "
+            f"{args.num_generations} = per_device_train_batch_size x gradient_accumulation_steps x processes); "
+            "give more problems, lower gradient_accumulation_steps, or set max_steps"
+        )
 
 
 def grpo_config(args: GRPOArguments, model_args: ModelArguments) -> Any:

@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from fitrl import ppo
+from fitrl import checkpoints, ppo, signals
 from fitrl.checkpoints import (
     STATE_FILE,
     checkpoint_root,
-    latest_checkpoint,
     load_safetensors,
     load_state,
     resume_checkpoint,
 )
 from fitrl.config import (
     RunFailed,
+    Terminated,
     UsageError,
     config_dict,
     entrypoint,
@@ -133,11 +133,10 @@ def batch_queries(queries: list[list[int]], step: int, rank: int, world: int, si
     return indices
 
 
-def stopped(reason: str, step: int, args: PPOArguments) -> RunFailed:
+def stopped(reason: str, step: int, args: PPOArguments) -> Exception:
     """The error for a run that cannot go on: it names the checkpoint to resume from, if any."""
-    latest = latest_checkpoint(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
-    kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was saved yet"
-    return RunFailed(f"{reason} at step {step}; {kept}; lower learning_rate or clip scores (score_clip)")
+    fix = "lower learning_rate or clip scores (score_clip)"
+    return checkpoints.stopped(reason, step, args.output_dir, STAGE.checkpoint_prefix, fix)
 
 
 # --- setup ----------------------------------------------------------------------------------------
@@ -179,8 +178,10 @@ def preflight(configs: tuple[Any, ...]) -> Run:
 
 
 def build(run: Run) -> None:
-    """The backbone, a fresh LoRA policy and value head, the optimizer, reward and KL controller."""
+    """The reward (first: a bad one should not cost a backbone load), the backbone, a fresh LoRA policy
+    and value head, the optimizer and KL controller."""
     args = run.args
+    run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,
@@ -199,7 +200,6 @@ def build(run: Run) -> None:
         run.optimizer = bnb.optim.AdamW8bit(params, lr=args.learning_rate)
     else:
         run.optimizer = torch.optim.AdamW(params, lr=args.learning_rate)
-    run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
     if args.adaptive_kl:
         run.kl_ctl = ppo.AdaptiveKLController(args.init_kl_coef, args.target_kl, args.kl_horizon)
     else:
@@ -408,6 +408,16 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     return row
 
 
+def terminated(run: Run, signal: str | None, step: int) -> Terminated:
+    """Save where the run is (unless this step just did) and say how to go on."""
+    path = checkpoint_root(run.args.output_dir) / f"{STAGE.checkpoint_prefix}-{step}"
+    if not (run.args.save_steps and step % run.args.save_steps == 0):
+        save_checkpoint(run, step)
+    return Terminated(
+        f"stopped by {signal} after step {step}; saved {path}; resume with --resume_from_checkpoint latest"
+    )
+
+
 # --- the end --------------------------------------------------------------------------------------
 
 
@@ -472,9 +482,12 @@ def main(argv: list[str] | None = None) -> None:
             initial=run.start_step,
             total=args.steps,
         )
-        for step in bar:
-            row = train_step(run, step)
-            bar.set_postfix(reward=f"{row['env/reward_mean']:.3f}", kl=f"{row['objective/kl']:.3f}")
+        with signals.stop_at_step_end() as stop:
+            for step in bar:
+                row = train_step(run, step)
+                bar.set_postfix(reward=f"{row['env/reward_mean']:.3f}", kl=f"{row['objective/kl']:.3f}")
+                if stop.requested():
+                    raise terminated(run, stop.signal, step + 1)
         finish(run)
     accelerator.end_training()  # closes trackers, and in accelerate 1.16 the process group: keep it last
 

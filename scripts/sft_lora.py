@@ -10,9 +10,13 @@ the reviews are packed into fixed-length blocks so no compute is spent on paddin
     accelerate launch scripts/sft_lora.py --config configs/neox20b-24gb/sft.yaml
     # two processes with DDP (also on a CPU machine, over gloo)
     accelerate launch --multi_gpu --num_processes 2 scripts/sft_lora.py --config configs/demo/sft.yaml
+    # continue a stopped run from its last checkpoint
+    accelerate launch scripts/sft_lora.py --config configs/neox20b-24gb/sft.yaml --resume_from_checkpoint latest
 
 Any key of the YAML file can be overridden on the command line, e.g. `--max_steps 50`.
-Writes to `output_dir`: the adapter (peft), the tokenizer, `run_config.yaml`, `metrics.jsonl`, `loss.png`.
+Writes to `output_dir`: the adapter (peft), the tokenizer, `run_config.yaml`, `run_info.json`,
+`metrics.jsonl`, `loss.png`. Checkpoints (`save_steps`) go to `<output_dir>.checkpoints/`, outside the
+staged output, so a stopped run keeps them.
 """
 
 from __future__ import annotations
@@ -21,11 +25,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitrl.config import entrypoint
+from fitrl.checkpoints import checkpoint_root, resume_checkpoint
+from fitrl.config import config_dict, entrypoint
 from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
-from fitrl.hf_trainer import quiet_progress, step_peak_callback, trainer_arguments
+from fitrl.hf_trainer import (
+    checkpoint_extras,
+    finite_guard,
+    quiet_progress,
+    start_metrics,
+    step_peak_callback,
+    trainer_arguments,
+)
+from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, staged_output_dir
@@ -44,6 +57,8 @@ class Run:
     model_path: str
     dataset: Any
     tokenizer: Any
+    resume: str | None
+    checkpoints_existed: bool
     out: Path | None = None
     trainer: Any = None
     metrics: MetricsLog | None = None
@@ -61,15 +76,19 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     check_output_dir(
         args.output_dir,
         args.overwrite_output_dir,
-        [model_args.model_name_or_path, args.dataset],
+        [model_args.model_name_or_path, args.dataset, args.resume_from_checkpoint],
         demo_args.demo_cache_dir,
     )
+    resume = resume_checkpoint(
+        args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "SFT", config_dict(*configs)
+    )
+    checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     dataset = load_text_dataset(
         args.dataset, args.dataset_split, args.text_column, demo_args.demo_cache_dir, args.max_samples
     )
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    return Run(*configs, model_path, dataset, tokenizer)
+    return Run(*configs, model_path, dataset, tokenizer, str(resume) if resume else None, checkpoints_existed)
 
 
 def build(run: Run) -> None:
@@ -95,16 +114,21 @@ def build(run: Run) -> None:
         packing_strategy="wrapped",
         max_length=args.block_size,
         logging_first_step=True,
-        **trainer_arguments(args, run.model_args, output_dir=str(run.out)),
+        **trainer_arguments(args, run.model_args, output_dir=str(checkpoint_root(args.output_dir))),
     )
-    run.metrics = MetricsLog(run.out, enabled=training_args.process_index == 0)
+    run.metrics = start_metrics(run.out, training_args.process_index == 0, run.resume)
     run.planned_peak_mb = planned_peak_mb(STAGE, run.configs, run.model_path, training_args.world_size)
     run.trainer = SFTTrainer(
         model=model,
         args=training_args,
         train_dataset=run.dataset,
         processing_class=run.tokenizer,
-        callbacks=[metrics_callback(run.metrics), step_peak_callback(run.step_peak)],
+        callbacks=[
+            metrics_callback(run.metrics),
+            checkpoint_extras(run.configs, run.metrics),
+            finite_guard(args.output_dir, fix="lower learning_rate or max_grad_norm"),
+            step_peak_callback(run.step_peak),
+        ],
     )
     quiet_progress(run.trainer)
 
@@ -127,6 +151,7 @@ def finish(run: Run) -> None:
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         memory=memory_report(run.planned_peak_mb, run.step_peak),
         metrics=run.metrics.rows,
+        resumed_from=run.resume,
         curves=["loss", "learning_rate", "grad_norm"],
         plot=STAGE.plot,
         title=f"SFT: {run.model_args.model_name_or_path} on {run.args.dataset}",
@@ -146,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     run = preflight(STAGE.parse(argv))
     with staged_output_dir(run.args.output_dir, run.args.overwrite_output_dir, stage=STAGE.name) as run.out:
         build(run)
-        run.trainer.train()
+        train_with_guards(run.trainer, run.metrics, run.resume, run.args.output_dir, run.checkpoints_existed)
         finish(run)
 
 

@@ -73,6 +73,31 @@ def run_script(
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
 
 
+def sigterm_when(*args: str | Path, watch: Path, rows: int, timeout: int = 600) -> tuple[int, str]:
+    """Run `scripts/<args[0]>` in a subprocess, send it SIGTERM once `watch` has `rows` lines (mid-run, as
+    a preempted machine would), and return its exit code and its one `error:` line."""
+    import signal
+    import tempfile
+    import time
+
+    script, *rest = args
+    cmd = [sys.executable, str(ROOT / "scripts" / script), *map(str, rest)]
+    with tempfile.TemporaryFile("w+") as log:  # a pipe could fill up and stall the child
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=os.environ.copy())
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if watch.is_file() and len(watch.read_text().splitlines()) >= rows:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=timeout)
+        log.seek(0)
+        stderr = log.read()
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, f"expected one 'error:' line, got stderr:\n{stderr[-3000:]}"
+    return proc.returncode, lines[0]
+
+
 def free_port() -> str:
     """A TCP port nobody listens on now: DDP tests on parallel test workers must not share one."""
     with socket.socket() as s:

@@ -15,7 +15,14 @@ from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.outputs import read_jsonl
 from fitrl.rewards import is_correct, is_strict_format
 
-from conftest import CONFIGS, accelerate_launch, assert_memory_planned_and_measured, error_line, run_script
+from conftest import (
+    CONFIGS,
+    accelerate_launch,
+    assert_memory_planned_and_measured,
+    error_line,
+    run_script,
+    sigterm_when,
+)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -307,7 +314,8 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
         (["--model_name_or_path", "/nonexistent/model"], "/nonexistent/model"),
         (["--num_generations", "1"], "invalid value for 'num_generations'"),
         (["--per_device_train_batch_size", "6", "--num_generations", "4"], "divisible"),
-        (["--resume_from_checkpoint", "latest"], "no checkpoint to resume"),
+        (["--resume_from_checkpoint", "latest"], "no complete checkpoint to resume"),
+        (["--max_samples", "4", "--max_steps", "-1"], "4 problems fill less than one optimizer step"),
         (["--loss_type", "ppo"], "invalid choice: 'ppo'"),
     ],
 )
@@ -454,3 +462,114 @@ def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_ca
         assert result.returncode == 0, result.stderr[-3000:]
         runs.append([json.loads(line)["completion"] for line in (tmp_path / name / "completions.jsonl").open()])
     assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+# --- checkpoints after real faults ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, demo_cache: Path) -> None:
+    """A preempted machine sends SIGTERM: the step finishes, a complete checkpoint is saved, the process
+    exits 143 with one line and leaves no half-written output; `latest` resumes there."""
+    out = tmp_path / "run"
+    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]
+    args += [*SMOKE_MODEL, *SMOKE[:-2], "--num_samples_to_show", "0"]
+    staged = tmp_path / ".run.partial" / "metrics.jsonl"
+    code, line = sigterm_when("grpo_gsm8k.py", *args, "--max_steps", "500", watch=staged, rows=2)
+    assert code == 143 and "stopped by SIGTERM after step" in line and "--resume_from_checkpoint latest" in line
+    step = int(line.split("after step ")[1].split(";")[0])
+    assert step >= 2 and line.split("saved ")[1].startswith(str(tmp_path / "run.checkpoints" / f"checkpoint-{step}"))
+    assert (tmp_path / "run.checkpoints" / f"checkpoint-{step}" / "run_config.yaml").is_file()
+    assert not out.exists() and not staged.parent.exists()
+
+    result = run_script(*["grpo_gsm8k.py", *args], "--max_steps", str(step + 1), "--resume_from_checkpoint", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == list(range(1, step + 2))
+    assert json.loads((out / "run_info.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
+
+
+@pytest.fixture
+def copied_checkpoints(grpo_smoke: Path, tmp_path: Path) -> Path:
+    """The smoke run's checkpoints under a fresh output name; returns that output directory."""
+    import shutil
+
+    shutil.copytree(grpo_smoke.with_name("run.checkpoints"), tmp_path / "run.checkpoints")
+    return tmp_path / "run"
+
+
+def _grpo_main(out: Path, demo_cache: Path, *extra: str | Path) -> int:
+    from conftest import run_main
+
+    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]
+    return run_main("grpo_gsm8k.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
+
+
+@pytest.mark.slow
+def test_latest_skips_checkpoints_whose_save_did_not_finish(
+    copied_checkpoints: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`kill -9` or a full disk during a save leaves a newest checkpoint without its settings file (or an
+    empty folder): `latest` takes the newest complete one; naming an incomplete one is refused."""
+    import shutil
+
+    from fitrl.checkpoints import latest_checkpoint, resume_checkpoint
+    from fitrl.config import load_run_config
+
+    root = copied_checkpoints.with_name("run.checkpoints")
+    newest = latest_checkpoint(root, "checkpoint")
+    n = int(newest.name.removeprefix("checkpoint-"))
+    cut = root / f"checkpoint-{n + 1}"
+    shutil.copytree(newest, cut)
+    (cut / "run_config.yaml").unlink()  # cut off before its last file
+    (cut / "optimizer.pt").write_bytes(b"\x80")  # and mid-write
+    (root / f"checkpoint-{n + 2}").mkdir()
+    settings = load_run_config(newest)
+    assert resume_checkpoint("latest", copied_checkpoints, "checkpoint", "GRPO", settings) == newest
+    assert "skipping" in capsys.readouterr().out
+    assert _grpo_main(copied_checkpoints, demo_cache, "--resume_from_checkpoint", cut) == 2
+    err = capsys.readouterr().err
+    assert f"{cut.name} is incomplete" in err and f"resume from {newest} instead" in err
+    assert not copied_checkpoints.exists()
+
+
+class _Payload:
+    """A pickle that would run a shell command when loaded without `weights_only`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        ("trainer_state.json", "truncate", "the checkpoint is damaged"),
+        ("optimizer.pt", "truncate", "the checkpoint is damaged"),
+        ("optimizer.pt", "craft", "holds objects other than tensors"),
+        ("scheduler.pt", "craft", "holds objects other than tensors"),
+        ("rng_state.pth", "craft", "holds objects other than tensors"),
+        ("adapter_model.safetensors", "truncate", "the checkpoint is damaged"),
+    ],
+)
+def test_a_damaged_or_crafted_checkpoint_is_one_line_and_runs_nothing(
+    copied_checkpoints: Path, demo_cache: Path, capsys: pytest.CaptureFixture, name: str, damage: str, message: str
+) -> None:
+    import pickle
+
+    from fitrl.checkpoints import latest_checkpoint
+
+    path = latest_checkpoint(copied_checkpoints.with_name("run.checkpoints"), "checkpoint") / name
+    marker = path.parent.parent / "payload-ran"
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
+    else:
+        path.write_bytes(pickle.dumps(_Payload(marker)))
+    assert _grpo_main(copied_checkpoints, demo_cache, "--resume_from_checkpoint", "latest") == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0] and name in errors[0], errors
+    assert not marker.exists() and not copied_checkpoints.exists()

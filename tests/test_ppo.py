@@ -13,7 +13,7 @@ from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, accelerate_launch, error_line, run_script
+from conftest import CONFIGS, accelerate_launch, error_line, run_script, sigterm_when
 
 PPO_YAML = CONFIGS / "demo" / "ppo.yaml"
 # The demo base stands in for the merged model, so these tests do not depend on stages 1 and 2.
@@ -111,7 +111,7 @@ def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo
     [
         (["--batch_size", "30", "--mini_batch_size", "8"], "invalid value for 'batch_size': must be a multiple of"),
         (["--positive_label", "LABEL_7"], "reward model has no label 'LABEL_7'"),
-        (["--resume_from_checkpoint", "latest"], "no checkpoint to resume"),
+        (["--resume_from_checkpoint", "latest"], "no complete checkpoint to resume"),
         (["--kl_estimator", "huge"], "invalid choice"),
         # a causal LM has the label LABEL_0 too, but its classification head would be random
         (["--reward_model", "demo://lm", "--positive_label", "LABEL_0"], "not a trained sequence classifier"),
@@ -136,6 +136,40 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, dem
     line = error_line(result)
     assert "non-finite" in line and str(checkpoint) in line
     assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_cache: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_cache_dir", demo_cache]
+    args += ["--output_dir", out, *SMALL, "--steps", "500", "--save_steps", "0"]
+    code, line = sigterm_when("ppo_sentiment.py", *args, watch=tmp_path / ".run.partial" / "metrics.jsonl", rows=1)
+    assert code == 143 and "stopped by SIGTERM after step" in line, line
+    step = int(line.split("after step ")[1].split(";")[0])
+    checkpoint = tmp_path / "run.checkpoints" / f"step-{step}"
+    assert f"saved {checkpoint}" in line and (checkpoint / "run_config.yaml").is_file()
+    assert not out.exists() and not (tmp_path / ".run.partial").exists()
+
+
+@pytest.mark.slow
+def test_a_reward_classifier_without_its_head_weights_is_refused(
+    tmp_path: Path, demo_cache: Path, demo_root: Path
+) -> None:
+    """Saved without its head (its config still says ...ForSequenceClassification), a classifier would
+    load with a random head and PPO would train against noise."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    headless = tmp_path / "headless"
+    shutil.copytree(demo_root / "classifier", headless)
+    weights = load_file(headless / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "classifier" not in k}, headless / "model.safetensors")
+    out = tmp_path / "never"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "1", "--reward_model", headless)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "has no saved weights for" in error_line(result) and "head would be random" in error_line(result)
+    assert not out.exists()
 
 
 @pytest.mark.slow

@@ -189,3 +189,40 @@ def test_an_output_inside_the_demo_models_folder_is_refused(demo_cache: Path, de
     result = _sft(out, demo_cache)
     assert result.returncode == 2 and "overlaps the stage's input" in error_line(result)
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_the_run_and_writes_no_adapter(tmp_path: Path, demo_cache: Path) -> None:
+    """A learning rate of 1e6 blows the weights up in two steps. transformers would log the NaN loss as
+    the mean of the earlier ones and train on; fitrl stops with one line naming the last good
+    checkpoint, writes no output, and the kept checkpoint holds finite weights."""
+    out = tmp_path / "out"
+    result = _sft(out, demo_cache, "--learning_rate", "1e6", "--max_steps", "6", "--save_steps", "1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    line = error_line(result)
+    assert "non-finite" in line and "checkpoint-1, is kept" in line and "lower learning_rate" in line
+    assert not out.exists() and not (tmp_path / ".out.partial").exists()
+    kept = tmp_path / "out.checkpoints" / "checkpoint-1"
+    assert (kept / "run_config.yaml").is_file()  # complete
+    assert all(torch.isfinite(t).all() for t in load_file(kept / "adapter_model.safetensors").values())
+
+
+@pytest.mark.slow
+def test_sft_resumes_from_its_latest_checkpoint(tmp_path: Path, demo_cache: Path) -> None:
+    """SFT checkpoints live beside the output (a crash keeps them) and `latest` resumes the newest: the
+    resumed run reports the whole history and ends where an uninterrupted run ends."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert _sft(whole, demo_cache, "--max_steps", "4", "--logging_steps", "1").returncode == 0
+    first = _sft(part, demo_cache, "--max_steps", "4", "--logging_steps", "1", "--save_steps", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    import shutil
+
+    shutil.rmtree(part)  # as if the run had died after its checkpoint at step 4...
+    shutil.rmtree(part.with_name("part.checkpoints") / "checkpoint-4")  # ...no, at step 2
+    resumed = _sft(part, demo_cache, "--max_steps", "4", "--logging_steps", "1", "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(part / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+    assert load_run_info(part)["resumed_from"].endswith("checkpoint-2")
+    a = load_file(whole / "adapter_model.safetensors")
+    b = load_file(part / "adapter_model.safetensors")
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -55,7 +55,8 @@ class SFTArguments:
     weight_decay: float = help_field(0.0, "AdamW weight decay.")
     max_grad_norm: float = help_field(1.0, "Clip the gradient norm to this (0 disables clipping).")
     logging_steps: int = help_field(10, "Log (metrics.jsonl, progress bar) every this many steps.")
-    save_steps: int = help_field(0, "Save a resumable Trainer checkpoint every this many steps (0: only at the end).")
+    save_steps: int = help_field(0, "Save a resumable checkpoint every this many steps (0: none).")
+    resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
     report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
     seed: int = help_field(42, "Random seed (LoRA init, data order, dropout).")
 
@@ -114,6 +115,7 @@ STAGE = Stage(
     output_dir="sft",
     figures=figures,
     training=True,
+    checkpoint_prefix="checkpoint",
     memory=StageMemory(
         workload=workload,
         optimizer_key="optim",
