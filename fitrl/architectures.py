@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fitrl.config import UsageError
+from fitrl.config import UsageError, first_line
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 # Hub ids whose config.json ships with fitrl, so planning needs no download.
@@ -51,13 +51,18 @@ def architecture(name_or_path: str, demo_cache_dir: str | None = None) -> Any:
         name_or_path = str(demo.resolve(name_or_path, demo_cache_dir or demo.DEFAULT_CACHE_DIR))
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
-        return AutoConfig.from_pretrained(path)
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=False)  # never ask, never run its code
+        except (OSError, ValueError, KeyError) as e:  # malformed JSON, custom code (auto_map), unknown type
+            raise UsageError(
+                f"cannot plan for model {path}: its config.json cannot be read ({first_line(e)})"
+            ) from None
     shipped = KNOWN_MODELS.get(name_or_path)
     if shipped is not None:
         values = json.loads((MODEL_CONFIGS / f"{shipped}.json").read_text())
         return AutoConfig.for_model(values.pop("model_type"), **values)
     try:
-        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError):
         pass
     hint = "it does not exist yet" if path.is_absolute() or name_or_path.startswith(".") else "no config.json found"

@@ -198,6 +198,36 @@ def check_resume_config(checkpoint: Path, current: dict[str, Any]) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed]
 
 
+def read_adapter_config(adapter_dir: Path, producer: str) -> dict[str, Any]:
+    """peft's `adapter_config.json` of `adapter_dir`; missing or damaged, a one-line usage error."""
+    config_path = adapter_dir / "adapter_config.json"
+    if not config_path.is_file():
+        raise UsageError(f"adapter {adapter_dir} has no adapter_config.json; give the output_dir of a {producer} run")
+    try:
+        config = json.loads(config_path.read_bytes())
+    except (ValueError, OSError) as e:
+        raise UsageError(f"{config_path} is not JSON ({first_line(e)}); the adapter is damaged") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_path} does not hold a JSON object; the adapter is damaged")
+    return config
+
+
+def check_adapter_files(adapter_dir: Path, producer: str) -> None:
+    """An adapter's config and weights read once (safetensors, or a `.bin` as tensors only), so that a
+    missing, damaged or crafted file is a one-line usage error before any model loads."""
+    read_adapter_config(adapter_dir, producer)
+    weights = [adapter_dir / name for name in ("adapter_model.safetensors", "adapter_model.bin")]
+    present = [w for w in weights if w.is_file()]
+    if not present:
+        raise UsageError(
+            f"adapter {adapter_dir} has no adapter_model.safetensors; give the output_dir of a {producer} run"
+        )
+    if present[0].suffix == ".safetensors":
+        load_safetensors(present[0], adapter_dir)
+    else:
+        load_state(present[0])
+
+
 def check_adapter_base(
     adapter_dir: Path,
     model_name: str,
@@ -207,7 +237,8 @@ def check_adapter_base(
     producer: str | None = None,
     require_record: bool = True,
 ) -> None:
-    """Refuse an adapter that was not trained on this model, or not by the stage that should have made it.
+    """Refuse an adapter that was not trained on this model, or not by the stage that should have made it
+    (or whose `adapter_config.json` is damaged).
 
     What the adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
     `adapter_config.json`) is compared with the model named (`model_name`) and its resolved path or hub
@@ -215,8 +246,6 @@ def check_adapter_base(
     stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check; without
     `require_record`, an adapter that records no base at all passes (the merge checks shapes itself).
     """
-    import json
-
     from fitrl.config import load_run_config, load_run_info
 
     if force:
@@ -228,8 +257,9 @@ def check_adapter_base(
             f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
             "(or pass --force true)"
         )
-    peft_config = adapter_dir / "adapter_config.json"
-    peft_base = json.loads(peft_config.read_text()).get("base_model_name_or_path") if peft_config.is_file() else None
+    peft_base = None
+    if (adapter_dir / "adapter_config.json").is_file():
+        peft_base = read_adapter_config(adapter_dir, producer or stage).get("base_model_name_or_path")
     recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
     if not recorded and not require_record:
         return

@@ -64,6 +64,16 @@ def check(condition: bool, key: str, allowed: str) -> None:
         raise UsageError(f"invalid value for '{key}': must be {allowed}")
 
 
+def check_tracker(report_to: str) -> None:
+    """A tracker whose package is missing would fail at the first log line, after the model loaded."""
+    import importlib.util
+
+    if report_to != "none" and importlib.util.find_spec(report_to) is None:  # the package has the tracker's name
+        raise UsageError(
+            f"report_to {report_to} needs the {report_to} package: pip install {report_to}, or set report_to none"
+        )
+
+
 def one_of(value: Any, key: str, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     check(value in choices, key, "one of " + ", ".join(map(str, choices)) + f" (got {value!r})")
@@ -289,6 +299,10 @@ STATUS_FILE_ENV = "FITRL_STATUS_FILE"
 
 
 def _fail(message: str, code: int) -> typing.NoReturn:
+    # A progress bar cut off mid-line would swallow the start of the error line: close it first.
+    bars = sys.modules.get("tqdm.std")
+    for bar in list(bars.tqdm._instances) if bars else []:
+        bar.close()
     print(f"error: {message}", file=sys.stderr)
     # `accelerate launch` reports any failing child as exit 1; pipeline.sh reads the real code here.
     status_file = os.environ.get(STATUS_FILE_ENV)
@@ -349,6 +363,7 @@ __all__ = [
     "Terminated",
     "UsageError",
     "check",
+    "check_tracker",
     "config_dict",
     "entrypoint",
     "first_line",

@@ -57,8 +57,15 @@ def _source_files(source: str, split: str, demo_cache_dir: str) -> list[Path] | 
 def _json_rows(path: Path) -> list[dict[str, Any]]:
     """The rows of a .jsonl file: every non-blank line one JSON object, at least one of them."""
     rows = []
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UsageError(
+                    f"{path} line {number} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -158,6 +158,7 @@ def train(trainer: Any, metrics: MetricsLog, resume: str | None, output_dir: str
     """trl's loop, from the checkpoint to resume from if any, stopping cleanly on SIGTERM; afterwards the
     run's loss over all its steps, and no empty checkpoint folder left behind."""
     resumed_at = int(Path(resume).name.rpartition("-")[2]) if resume is not None else 0
+    keep_adapter_dtype_on_resume(trainer)
     try:
         with signals.stop_at_step_end() as request:
             trainer.add_callback(stop_callback(request))
@@ -182,6 +183,27 @@ def train(trainer: Any, metrics: MetricsLog, resume: str | None, output_dir: str
         if loss is not None:
             next(r for r in metrics.rows if "train_loss" in r)["train_loss"] = loss
             metrics.rewrite()
+
+
+def keep_adapter_dtype_on_resume(trainer: Any) -> None:
+    """A resumed run trains the adapter in the dtype the run began with.
+
+    trl casts a quantized model's adapter to bf16 as it builds the trainer; peft's `load_adapter`, which
+    the Trainer resumes with, casts the loaded adapter back to float32. Without this, a resumed run
+    would go on in another precision than the run it continues (the optimizer state, loaded later,
+    follows the parameters' dtype).
+    """
+    load = trainer._load_from_checkpoint
+
+    def load_keeping_dtypes(*args: Any, **kwargs: Any) -> Any:
+        dtypes = {n: p.dtype for n, p in trainer.model.named_parameters() if p.requires_grad}
+        result = load(*args, **kwargs)
+        for name, p in trainer.model.named_parameters():
+            if name in dtypes and p.dtype != dtypes[name]:
+                p.data = p.data.to(dtypes[name])
+        return result
+
+    trainer._load_from_checkpoint = load_keeping_dtypes
 
 
 def whole_run_train_loss(rows: list[dict[str, Any]], resumed_at: int) -> float | None:

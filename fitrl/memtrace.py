@@ -140,15 +140,17 @@ def build_trainable(
         from trl.trainer.utils import add_fused_lm_head
 
         add_fused_lm_head(model, temperature=w.temperature, outputs=FUSED_HEAD_OUTPUTS[w.stage])
+    # The adapter and value head are made on `device` itself: made on the CPU and moved, a plan on `meta`
+    # would allocate them for real (lora_r 10000000 took gigabytes).
     if w.finetuning == "lora":
         targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
-        with unloaded_bitsandbytes_hidden():
+        with unloaded_bitsandbytes_hidden(), torch.device(device):
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
     if w.value_head:
-        model = PolicyAndValue(model, config.hidden_size)
-        model.value_head.to(device)
+        with torch.device(device):
+            model = PolicyAndValue(model, config.hidden_size)
     return model
 
 

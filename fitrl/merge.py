@@ -45,13 +45,10 @@ def read_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     """The adapter's config and weights; any missing or unreadable file is a usage error."""
     from safetensors.torch import load_file
 
-    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
-    if not config_path.is_file():
-        raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the SFT output")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{config_path} is not valid JSON ({first_line(e)})") from None
+    from fitrl.checkpoints import read_adapter_config
+
+    weights_path = adapter_dir / "adapter_model.safetensors"
+    config = read_adapter_config(adapter_dir, "SFT")
     if config.get("peft_type") != "LORA":
         raise UsageError(f"{adapter_dir} holds a {config.get('peft_type')} adapter; only LoRA adapters merge")
     if config.get("use_dora"):

@@ -162,6 +162,32 @@ def _release_checkpoint_map(model: nn.Module) -> None:
                 t.data = t.data.clone()
 
 
+@contextmanager
+def loading_errors(what: str, path: str) -> Iterator[None]:
+    """What a `from_pretrained` of a user's folder raises, as one usage line: weights that would run code
+    (a crafted `.bin`, refused by `weights_only` loading), truncated weights, a config transformers
+    cannot read or that needs custom code, a model of the wrong kind."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise UsageError(
+            f"{what} {path}: its weights hold objects other than tensors and were refused (loading them could "
+            "run code); save the model as safetensors"
+        ) from None
+    except (OSError, ValueError, SafetensorError) as e:
+        if "custom code" in str(e):
+            raise UsageError(
+                f"{what} {path} needs its own Python code (auto_map in its config), which fitrl does not run "
+                "unless told: set trust_remote_code true if you trust it"
+            ) from None
+        where = "" if Path(path).exists() else offline_note()
+        raise UsageError(f"cannot load {what} {path}{where}: {first_line(e)}") from None
+
+
 def load_causal_lm(
     args: ModelArguments,
     *,
@@ -181,10 +207,8 @@ def load_causal_lm(
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = _device_map()
-    try:
+    with loading_errors("model", path):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except OSError as e:
-        raise UsageError(f"cannot load model {path}{offline_note()}: {first_line(e)}") from None
     if qconfig is not None:
         _release_checkpoint_map(model)
         int8_layers_on_cpu(model)

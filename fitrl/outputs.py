@@ -23,6 +23,8 @@ METRICS_NAME = "metrics.jsonl"
 
 
 OUTPUT_MARKER = ".fitrl-output.json"
+NAME_MAX = 255  # bytes in one file name on Linux, macOS and Windows file systems
+NAME_SUFFIXES = 24  # the longest name made from an output's: `.<name>.write-test-<pid>`
 
 
 def refuse_shared_dir(path: Path, what: str, example: str) -> None:
@@ -49,6 +51,11 @@ def check_output_dir(
     fitrl did not write (its `.fitrl-output.json` lists what it wrote).
     """
     final = Path(output_dir).expanduser().absolute()
+    if len(final.name.encode()) > NAME_MAX - NAME_SUFFIXES:
+        raise UsageError(
+            f"output directory name {final.name[:24]}... is {len(final.name.encode())} bytes long; file names hold "
+            f"{NAME_MAX} and fitrl adds up to {NAME_SUFFIXES} ('.checkpoints', '.partial'): shorten it"
+        )
     resolved = final.resolve()
     refuse_shared_dir(final, "output directory", "outputs/<stage>")
     for item in inputs:

@@ -44,9 +44,27 @@ def one_line(stage: Stage, out: Path) -> str:
     return "; ".join(found) if found else "done"
 
 
-def _timings(run_dir: Path) -> dict[str, float]:
+def read_timings(run_dir: Path) -> dict[str, float]:
+    """Each stage's seconds from the run's `logs/timings.json`; a damaged file (a run killed while writing
+    it, before writes were atomic) starts afresh rather than failing every later run."""
     path = run_dir / TIMINGS
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        timings = json.loads(path.read_bytes())
+    except (ValueError, OSError):
+        timings = None
+    if not isinstance(timings, dict) or not all(isinstance(v, (int, float)) for v in timings.values()):
+        print(f"note: {path} was damaged; the stage timings start afresh", file=sys.stderr)
+        return {}
+    return timings
+
+
+def write_timings(run_dir: Path, timings: dict[str, float]) -> None:
+    path = run_dir / TIMINGS
+    staging = path.with_name(path.name + ".partial")
+    staging.write_text(json.dumps(timings, indent=2) + "\n")
+    staging.replace(path)
 
 
 def _minutes(seconds: float) -> str:
@@ -65,7 +83,7 @@ def _samples(stage: Stage, out: Path, limit: int = 40) -> str:
 
 def markdown(run_dir: Path, stages: list[Stage], title: str) -> tuple[str, list[Path]]:
     """The report as markdown (images linked relative to the run directory), and the images it shows."""
-    timings = _timings(run_dir)
+    timings = read_timings(run_dir)
     parts, images = [f"# {title}", ""], []
     for stage in stages:
         out = run_dir / stage.output_dir

@@ -14,7 +14,7 @@ import torch
 
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_texts
-from fitrl.modeling import resolve_model_path
+from fitrl.modeling import loading_errors, resolve_model_path
 
 
 @dataclass
@@ -68,7 +68,7 @@ def check_reward_label(reward_path: str, positive_label: str) -> None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(reward_path)
+        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load the reward model's config from {reward_path}: {first_line(e)}") from None
     architectures = config.architectures or []
@@ -90,7 +90,8 @@ class SentimentReward:
 
         path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
         check_reward_label(path, args.positive_label)
-        model, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+        with loading_errors("reward model", path):
+            model, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
         if loading["missing_keys"]:
             missing = sorted(loading["missing_keys"])
             raise UsageError(
@@ -98,7 +99,8 @@ class SentimentReward:
                 "classification head would be random; give a trained ...ForSequenceClassification model"
             )
         self.model = model.to(device).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        with loading_errors("reward model", path):
+            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         self.label = self.model.config.label2id[args.positive_label]
         self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device
 

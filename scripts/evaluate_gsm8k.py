@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
-from fitrl.checkpoints import check_adapter_base
-from fitrl.config import UsageError, entrypoint, save_run_config
+from fitrl.checkpoints import check_adapter_base, check_adapter_files
+from fitrl.config import entrypoint, save_run_config
 from fitrl.data import split_name
 from fitrl.gsm8k import (
     add_prompts,
@@ -46,8 +46,7 @@ def check_adapter(adapter: str | None) -> Path | None:
     if adapter is None or adapter.lower() in ("", "null", "none"):  # `--adapter null` on the command line
         return None
     path = Path(adapter).expanduser()
-    if not (path / "adapter_config.json").is_file():
-        raise UsageError(f"adapter {path} has no adapter_config.json; give the output_dir of a GRPO run")
+    check_adapter_files(path, "GRPO")
     return path
 
 

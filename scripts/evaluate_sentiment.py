@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fitrl.checkpoints import check_adapter_base
-from fitrl.config import UsageError, entrypoint, save_run_config
+from fitrl.checkpoints import check_adapter_base, check_adapter_files
+from fitrl.config import entrypoint, save_run_config
 from fitrl.data import load_texts
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
@@ -89,8 +89,7 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     adapter_dir = Path(args.adapter_dir).expanduser()
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise UsageError(f"no adapter_config.json in {adapter_dir}; point adapter_dir to the PPO output")
+    check_adapter_files(adapter_dir, "PPO")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     check_adapter_base(
         adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer=STAGE.reads[1]

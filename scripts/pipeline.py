@@ -307,7 +307,7 @@ def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float])
         print(f"   full log: {log}", file=sys.stderr)
         raise SystemExit(code)
     timings[stage.name] = round(time.perf_counter() - started, 1)
-    (req.run_dir / report.TIMINGS).write_text(json.dumps(timings, indent=2) + "\n")
+    report.write_timings(req.run_dir, timings)
     req.ran.append(stage.name)
     print(f"   done in {timings[stage.name]:.0f} s: {report.one_line(stage, out)}  (log: {log})", file=sys.stderr)
 
@@ -320,15 +320,21 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     from fitrl import report
 
-    timings_path = req.run_dir / report.TIMINGS
-    timings = json.loads(timings_path.read_text()) if timings_path.is_file() else {}
+    timings = report.read_timings(req.run_dir)
     if not req.dry_run:
         print(
             f"== fitrl: profile {req.profile}, stages {' '.join(s.name for s in req.stages)}, in {req.run_dir}",
             file=sys.stderr,
         )
-        (req.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (req.run_dir / RUN_MARKER).write_text(json.dumps({"fitrl": "a pipeline run directory"}) + "\n")
+        try:
+            (req.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            (req.run_dir / RUN_MARKER).write_text(json.dumps({"fitrl": "a pipeline run directory"}) + "\n")
+        except OSError as e:
+            print(
+                f"error: cannot write in run directory {req.run_dir} ({e.strerror}); give --run_dir a writable path",
+                file=sys.stderr,
+            )
+            raise SystemExit(2) from None
     for i, stage in enumerate(req.stages, 1):
         try:
             run_stage(req, i, stage, timings)

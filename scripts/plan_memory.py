@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from fitrl import planner, stages
 from fitrl.architectures import architecture
-from fitrl.config import ArgumentParser, UsageError, entrypoint
+from fitrl.config import ArgumentParser, UsageError, entrypoint, first_line
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
 from fitrl.stages.base import config_of
@@ -77,8 +78,8 @@ def gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
 
     present = torch.cuda.is_available()
     if requested is not None:
-        if requested <= 0:
-            raise UsageError(f"invalid value for '--gpu_memory_gb': must be > 0 (got {requested})")
+        if not (math.isfinite(requested) and requested > 0):
+            raise UsageError(f"invalid value for '--gpu_memory_gb': must be a finite number > 0 (got {requested})")
         return int(requested * planner.GiB), present
     if present:
         return torch.cuda.get_device_properties(0).total_memory, present
@@ -101,11 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.world_size < 1:
         raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")
     options = {"finetuning": args.finetuning, "world_size": args.world_size}
-    result = planner.plan_stage(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
-    if args.trace:
-        result.traced = planner.trace_full_depth(config, result.workload)
-    if args.suggest and not result.fits:
-        result.suggestions = planner.suggest(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
+    try:
+        result = planner.plan_stage(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
+        if args.trace:
+            result.traced = planner.trace_full_depth(config, result.workload)
+        if args.suggest and not result.fits:
+            result.suggestions = planner.suggest(stage, configs, config, gpu_memory_bytes=gpu_bytes, **options)
+    except (RuntimeError, OverflowError) as e:
+        if "overflow" not in str(e).lower():
+            raise
+        raise UsageError(f"the model's shapes overflow 64-bit sizes ({first_line(e)}); check its config.json") from None
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     elif args.brief and result.fits:

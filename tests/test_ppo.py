@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
@@ -159,8 +159,6 @@ def test_a_reward_classifier_without_its_head_weights_is_refused(
     load with a random head and PPO would train against noise."""
     import shutil
 
-    from safetensors.torch import save_file
-
     headless = tmp_path / "headless"
     shutil.copytree(demo_root / "classifier", headless)
     weights = load_file(headless / "model.safetensors")
@@ -266,6 +264,7 @@ def _adapter_from(tmp_path: Path, stage: str, model: str | None) -> Path:
     adapter = tmp_path / f"{stage}-adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": model}))
+    save_file({"lora_A": torch.zeros(1)}, adapter / "adapter_model.safetensors")
     (adapter / "run_info.json").write_text(json.dumps({"stage": stage}))
     (adapter / "run_config.yaml").write_text(yaml.safe_dump({"model_name_or_path": model}))
     return adapter

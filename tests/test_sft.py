@@ -210,7 +210,7 @@ def test_a_non_finite_loss_stops_the_run_and_writes_no_adapter(tmp_path: Path, d
 @pytest.mark.slow
 def test_sft_resumes_from_its_latest_checkpoint(tmp_path: Path, demo_cache: Path) -> None:
     """SFT checkpoints live beside the output (a crash keeps them) and `latest` resumes the newest: the
-    resumed run reports the whole history and ends where an uninterrupted run ends."""
+    resumed run reports the whole history and writes the adapter an uninterrupted run writes."""
     whole, part = tmp_path / "whole", tmp_path / "part"
     assert _sft(whole, demo_cache, "--max_steps", "4", "--logging_steps", "1").returncode == 0
     first = _sft(part, demo_cache, "--max_steps", "4", "--logging_steps", "1", "--save_steps", "2")
@@ -225,4 +225,4 @@ def test_sft_resumes_from_its_latest_checkpoint(tmp_path: Path, demo_cache: Path
     assert load_run_info(part)["resumed_from"].endswith("checkpoint-2")
     a = load_file(whole / "adapter_model.safetensors")
     b = load_file(part / "adapter_model.safetensors")
-    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same precision too: trl's bf16 adapter stays bf16

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.config import UsageError, check, help_field
+from fitrl.config import UsageError, check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
@@ -77,6 +77,7 @@ class GRPOArguments:
     seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
 
     def validate(self) -> None:
+        check_tracker(self.report_to)
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
         check(self.max_completion_length >= 1, "max_completion_length", ">= 1")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.config import check, help_field
+from fitrl.config import check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.rollout import generation_batch
@@ -81,6 +81,7 @@ class PPOArguments:
     seed: int = help_field(0, "Random seed (prompts, lengths, sampling, shuffling).")
 
     def validate(self) -> None:
+        check_tracker(self.report_to)
         for key in [
             "steps",
             "batch_size",

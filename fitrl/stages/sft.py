@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.config import check, help_field
+from fitrl.config import check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.stages.base import (
@@ -61,6 +61,7 @@ class SFTArguments:
     seed: int = help_field(42, "Random seed (LoRA init, data order, dropout).")
 
     def validate(self) -> None:
+        check_tracker(self.report_to)
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.block_size >= 8, "block_size", "an integer >= 8")
         check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
