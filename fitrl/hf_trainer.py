@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,12 @@ def trainer_arguments(args: Any, model_args: ModelArguments, output_dir: str) ->
         "ddp_find_unused_parameters": False,
         **trainer_precision(model_args),
     }
+
+
+def logs_into(out: Path) -> None:
+    """Point the Trainer's tensorboard logs into the staged output (`<output_dir>/runs`, as PPO's),
+    not beside the checkpoints where a finished run would leave them (transformers 5 reads only this)."""
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "runs")
 
 
 def quiet_progress(trainer: Any) -> None:

@@ -39,6 +39,7 @@ from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.hf_trainer import (
     checkpoint_extras,
     finite_guard,
+    logs_into,
     quiet_progress,
     start_metrics,
     step_peak_callback,
@@ -171,6 +172,7 @@ def build(run: Run) -> None:
     ]
     run.metrics = start_metrics(run.out, run.is_main, run.resume)
     set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
+    logs_into(run.out)
     run.trainer = GRPOTrainer(
         model=model,
         reward_funcs=list(REWARD_FUNCTIONS.values()),

@@ -33,6 +33,7 @@ from fitrl.ending import TrainingEnd, finish_training
 from fitrl.hf_trainer import (
     checkpoint_extras,
     finite_guard,
+    logs_into,
     quiet_progress,
     start_metrics,
     step_peak_callback,
@@ -118,6 +119,7 @@ def build(run: Run) -> None:
     )
     run.metrics = start_metrics(run.out, training_args.process_index == 0, run.resume)
     run.planned_peak_mb = planned_peak_mb(STAGE, run.configs, run.model_path, training_args.world_size)
+    logs_into(run.out)
     run.trainer = SFTTrainer(
         model=model,
         args=training_args,
