@@ -5,7 +5,9 @@ builds the model's architecture on the `meta` device (nothing is allocated, noth
 the configs of popular models ship with fitrl) and prints the bytes of every part, the phase where
 the peak happens, and whether it fits.
 
-    python scripts/plan_memory.py --config configs/llama1b-16gb/grpo.yaml --gpu_memory_gb 16
+    python scripts/plan_memory.py --config configs/llama1b-16gb/grpo.yaml --gpu "RTX 3080 Laptop 16GB"
+    # a desktop card that also feeds a display: what nvidia-smi shows the other processes holding
+    python scripts/plan_memory.py --config configs/neox20b-24gb/sft.yaml --gpu "RTX 4090" --reserve_gb 0.4
     python scripts/plan_memory.py --config configs/neox20b-24gb/ppo.yaml --architecture EleutherAI/gpt-neox-20b
     # what to change to fit a 16 GB card, as flags the stage takes
     python scripts/plan_memory.py --config configs/neox20b-24gb/sft.yaml --gpu_memory_gb 16 --suggest
@@ -40,6 +42,15 @@ def planner_arguments() -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpu_memory_gb", type=float, help="GPU memory in GiB (default: the detected GPU, else 24).")
     parser.add_argument(
+        "--gpu", help="Plan for this card's real capacity, e.g. 'RTX 4090' (23.64 GiB to torch; list: docs/memory.md)."
+    )
+    parser.add_argument(
+        "--reserve_gb",
+        type=float,
+        default=0.0,
+        help="GiB other processes hold on the card (a display: see nvidia-smi).",
+    )
+    parser.add_argument(
         "--finetuning",
         choices=["lora", "full"],
         default="lora",
@@ -72,8 +83,25 @@ def stage_of(args: argparse.Namespace, rest: list[str]) -> str:
     raise UsageError(f"name a stage: --config configs/<profile>/<stage>.yaml or --stage {'|'.join(stages.PLANNABLE)}")
 
 
-def gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
-    """The GPU memory to plan for, and whether a GPU is present."""
+def gpu_memory_bytes(requested: float | None, card: str | None = None, reserve: float = 0.0) -> tuple[int, bool]:
+    """The GPU memory to plan for (less what other processes hold), and whether a GPU is present."""
+
+    from fitrl.cards import GiB
+    from fitrl.cards import card as named_card
+
+    if not (math.isfinite(reserve) and reserve >= 0):
+        raise UsageError(f"invalid value for '--reserve_gb': must be a finite number >= 0 (got {reserve})")
+    if card is not None and requested is not None:
+        raise UsageError("give --gpu or --gpu_memory_gb, not both")
+    if card is not None:
+        requested = named_card(card).capacity_gib
+    total, present = _gpu_memory_bytes(requested)
+    if reserve * GiB >= total:
+        raise UsageError(f"--reserve_gb {reserve} leaves nothing of the card's {total / GiB:.2f} GiB")
+    return total - int(reserve * GiB), present
+
+
+def _gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
     import torch
 
     present = torch.cuda.is_available()
@@ -98,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = stage.parse(rest)
     model = args.architecture or config_of(configs, ModelArguments).model_name_or_path
     config = architecture(model, config_of(configs, DemoArguments).demo_cache_dir)
-    gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb)
+    gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb, args.gpu, args.reserve_gb)
     if args.world_size < 1:
         raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")
     options = {"finetuning": args.finetuning, "world_size": args.world_size}
@@ -115,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     elif args.brief and result.fits:
-        print(planner.brief(result) + ("" if present or args.gpu_memory_gb else " (no GPU here: 24 GiB assumed)"))
+        assumed = present or args.gpu_memory_gb or args.gpu
+        print(planner.brief(result) + ("" if assumed else " (no GPU here: 24 GiB assumed)"))
     else:
         print(planner.table(result))
     if args.suggest and not result.fits and not result.suggestions and not args.json:

@@ -234,11 +234,14 @@ def _cli(*args: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_neox20b_profiles_fit_24gb_not_16gb_and_suggest_a_4bit_base() -> None:
+def test_neox20b_profiles_fit_an_rtx_4090_not_16gb_and_suggest_a_4bit_base() -> None:
+    """The profile's card as torch sees it (23.64 GiB, not 24), with the plan's own CUDA context and
+    allocator slack inside the peak."""
     neox = ["--architecture", "EleutherAI/gpt-neox-20b"]
     for stage in ["sft", "ppo"]:
-        code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu_memory_gb", "24")
+        code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu", "RTX 4090")
         assert code == 0 and fits24["fits"], fits24
+        assert fits24["gpu_memory_bytes"] == int(23.64 * GiB)
         assert 19.5 * GiB < fits24["components"]["weights"] < 21.5 * GiB  # 8-bit weights, fp32 embeddings
         for key in ["stage", "model", "gpu_memory_bytes", "peak_bytes", "peak_phase", "components"]:
             assert key in fits24
@@ -251,8 +254,8 @@ def test_neox20b_profiles_fit_24gb_not_16gb_and_suggest_a_4bit_base() -> None:
 
 
 @pytest.mark.slow
-def test_llama1b_grpo_profile_fits_16gb_and_full_finetuning_needs_twice_as_much() -> None:
-    grpo = ["--config", CONFIGS / "llama1b-16gb" / "grpo.yaml", "--gpu_memory_gb", "16"]
+def test_llama1b_grpo_profile_fits_a_16gb_laptop_card_and_full_finetuning_needs_twice_as_much() -> None:
+    grpo = ["--config", CONFIGS / "llama1b-16gb" / "grpo.yaml", "--gpu", "RTX 3080 Laptop 16GB"]
     code, lora = _cli(*grpo)
     assert code == 0 and lora["fits"]
     _, full = _cli(*grpo, "--finetuning", "full")
@@ -351,3 +354,26 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
     assert len(cells) == 4 and all(c.endswith("✓✓✓✓") for c in cells), row  # 0.5B fits 16 GB in every mode
     full, lora = (float(c.split()[0]) for c in cells[:2])
     assert full > 1.5 * lora  # full fine-tuning holds gradients and Adam states for every weight
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--gpu", "NVIDIA GeForce RTX 4090"], "fits in 23.64 GiB"),
+        (["--gpu", "t4", "--reserve_gb", "0.5"], "fits in 14.06 GiB"),
+        (["--gpu", "RTX 5090"], "error: unknown card 'RTX 5090' (known: RTX 4090"),
+        (["--gpu", "T4", "--gpu_memory_gb", "16"], "error: give --gpu or --gpu_memory_gb, not both"),
+        (["--gpu", "T4", "--reserve_gb", "15"], "error: --reserve_gb 15.0 leaves nothing"),
+        (["--gpu", "T4", "--reserve_gb", "nan"], "error: invalid value for '--reserve_gb'"),
+    ],
+)
+def test_a_named_card_is_planned_at_what_torch_reports(
+    args: list[str], expected: str, demo_cache: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from conftest import run_main
+
+    code = run_main("plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
+                    "--brief", *args)  # fmt: skip
+    out = capsys.readouterr()
+    assert code == (2 if expected.startswith("error") else 0)
+    assert expected in (out.err if expected.startswith("error") else out.out)

@@ -3,8 +3,8 @@
 A setting only a real profile uses (tensorboard in PPO, an 8-bit optimizer, fp16 on an 8-bit base, a
 786-token completion limit, a judge model) is exercised here: the profile's YAML files are copied
 unchanged except that each hub id becomes a local stand-in (`STAND_INS`) and each stage stops after
-two steps, an evaluation after one batch (`TWO_STEPS`). A hub id without a stand-in fails the test, so a new profile gets one.
-The demo profile runs whole in `tests/test_demo_learns.py`.
+two steps, an evaluation after one batch (`TWO_STEPS`). A hub id without a stand-in fails the test,
+so a new profile gets one. The demo profile runs whole in `tests/test_demo_learns.py`.
 """
 
 from __future__ import annotations
