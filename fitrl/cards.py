@@ -14,18 +14,12 @@ from dataclasses import dataclass
 
 from fitrl.config import UsageError
 
-GiB = 2**30
-
 
 @dataclass(frozen=True)
 class Card:
     name: str
     capacity_gib: float  # what torch reports
     source: str  # where that figure was read
-
-    @property
-    def capacity_bytes(self) -> int:
-        return int(self.capacity_gib * GiB)
 
 
 CARDS = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
 from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
-from fitrl.outputs import METRICS_NAME, MetricsLog, read_jsonl, write_jsonl
+from fitrl.outputs import METRICS_NAME, MetricsLog, metrics_callback, read_jsonl, write_jsonl
 from fitrl.signals import StopRequest
 
 
@@ -61,10 +62,28 @@ def trainer_arguments(args: Any, model_args: ModelArguments, output_dir: str) ->
     }
 
 
-def logs_into(out: Path) -> None:
-    """Point the Trainer's tensorboard logs into the staged output (`<output_dir>/runs`, as PPO's),
-    not beside the checkpoints where a finished run would leave them (transformers 5 reads only this)."""
-    os.environ["TENSORBOARD_LOGGING_DIR"] = str(out / "runs")
+TENSORBOARD_DIR_ENV = "TENSORBOARD_LOGGING_DIR"  # the one way transformers 5 takes the tensorboard directory
+
+
+def trainer_callbacks(
+    configs: tuple[Any, ...],
+    metrics: MetricsLog,
+    step_peak: StepPeak,
+    output_dir: str,
+    out: Path,
+    extra: Callable[[], dict[str, Any]] | None = None,
+) -> list[Any]:
+    """What every trl stage adds to the Trainer: its metrics log (with `extra()` per row), complete
+    checkpoints, the stop at a non-finite value and the step-peak tracker. The tensorboard logs go into
+    the staged output `out` (`<output_dir>/runs`, as PPO's), not beside the checkpoints; `train` unsets
+    that again."""
+    os.environ[TENSORBOARD_DIR_ENV] = str(out / "runs")
+    return [
+        metrics_callback(metrics, extra=extra),
+        checkpoint_extras(configs, metrics),
+        finite_guard(output_dir, fix="lower learning_rate or max_grad_norm"),
+        step_peak_callback(step_peak),
+    ]
 
 
 def quiet_progress(trainer: Any) -> None:
@@ -171,6 +190,7 @@ def train(trainer: Any, metrics: MetricsLog, resume: str | None, output_dir: str
             trainer.add_callback(stop_callback(request))
             trainer.train(resume_from_checkpoint=resume)
     finally:
+        os.environ.pop(TENSORBOARD_DIR_ENV, None)
         if not checkpoints_existed and trainer.is_world_process_zero():
             with contextlib.suppress(OSError):  # the trainer made it and saved nothing into it
                 checkpoint_root(output_dir).rmdir()

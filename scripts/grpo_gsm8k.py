@@ -36,15 +36,7 @@ from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.hf_trainer import (
-    checkpoint_extras,
-    finite_guard,
-    logs_into,
-    quiet_progress,
-    start_metrics,
-    step_peak_callback,
-    trainer_arguments,
-)
+from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
 from fitrl.modeling import (
@@ -56,7 +48,7 @@ from fitrl.modeling import (
     lora_config,
     resolve_model_path,
 )
-from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, staged_output_dir
+from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
@@ -172,7 +164,6 @@ def build(run: Run) -> None:
     ]
     run.metrics = start_metrics(run.out, run.is_main, run.resume)
     set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
-    logs_into(run.out)
     run.trainer = GRPOTrainer(
         model=model,
         reward_funcs=list(REWARD_FUNCTIONS.values()),
@@ -180,12 +171,14 @@ def build(run: Run) -> None:
         train_dataset=run.dataset,
         processing_class=run.tokenizer,
         peft_config=peft_config,
-        callbacks=[
-            metrics_callback(run.metrics, extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)}),
-            checkpoint_extras(run.configs, run.metrics),
-            finite_guard(args.output_dir, fix="lower learning_rate or max_grad_norm"),
-            step_peak_callback(run.step_peak),
-        ],
+        callbacks=trainer_callbacks(
+            run.configs,
+            run.metrics,
+            run.step_peak,
+            args.output_dir,
+            run.out,
+            extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)},
+        ),
     )
     keep_adapter_in_float32(run.trainer, run.model_args)
     quiet_progress(run.trainer)

@@ -85,33 +85,26 @@ def stage_of(args: argparse.Namespace, rest: list[str]) -> str:
 
 def gpu_memory_bytes(requested: float | None, card: str | None = None, reserve: float = 0.0) -> tuple[int, bool]:
     """The GPU memory to plan for (less what other processes hold), and whether a GPU is present."""
+    import torch
 
-    from fitrl.cards import GiB
     from fitrl.cards import card as named_card
 
     if not (math.isfinite(reserve) and reserve >= 0):
         raise UsageError(f"invalid value for '--reserve_gb': must be a finite number >= 0 (got {reserve})")
     if card is not None and requested is not None:
         raise UsageError("give --gpu or --gpu_memory_gb, not both")
-    if card is not None:
-        requested = named_card(card).capacity_gib
-    total, present = _gpu_memory_bytes(requested)
-    if reserve * GiB >= total:
-        raise UsageError(f"--reserve_gb {reserve} leaves nothing of the card's {total / GiB:.2f} GiB")
-    return total - int(reserve * GiB), present
-
-
-def _gpu_memory_bytes(requested: float | None) -> tuple[int, bool]:
-    import torch
-
     present = torch.cuda.is_available()
-    if requested is not None:
+    if card is not None:
+        total = int(named_card(card).capacity_gib * planner.GiB)
+    elif requested is not None:
         if not (math.isfinite(requested) and requested > 0):
             raise UsageError(f"invalid value for '--gpu_memory_gb': must be a finite number > 0 (got {requested})")
-        return int(requested * planner.GiB), present
-    if present:
-        return torch.cuda.get_device_properties(0).total_memory, present
-    return 24 * planner.GiB, present
+        total = int(requested * planner.GiB)
+    else:
+        total = torch.cuda.get_device_properties(0).total_memory if present else 24 * planner.GiB
+    if reserve * planner.GiB >= total:
+        raise UsageError(f"--reserve_gb {reserve} leaves nothing of the card's {total / planner.GiB:.2f} GiB")
+    return total - int(reserve * planner.GiB), present
 
 
 @entrypoint

@@ -30,19 +30,11 @@ from fitrl.config import config_dict, entrypoint
 from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
-from fitrl.hf_trainer import (
-    checkpoint_extras,
-    finite_guard,
-    logs_into,
-    quiet_progress,
-    start_metrics,
-    step_peak_callback,
-    trainer_arguments,
-)
+from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import MetricsLog, check_output_dir, metrics_callback, staged_output_dir
+from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.stages.sft import STAGE, SFTArguments
 
@@ -119,18 +111,12 @@ def build(run: Run) -> None:
     )
     run.metrics = start_metrics(run.out, training_args.process_index == 0, run.resume)
     run.planned_peak_mb = planned_peak_mb(STAGE, run.configs, run.model_path, training_args.world_size)
-    logs_into(run.out)
     run.trainer = SFTTrainer(
         model=model,
         args=training_args,
         train_dataset=run.dataset,
         processing_class=run.tokenizer,
-        callbacks=[
-            metrics_callback(run.metrics),
-            checkpoint_extras(run.configs, run.metrics),
-            finite_guard(args.output_dir, fix="lower learning_rate or max_grad_norm"),
-            step_peak_callback(run.step_peak),
-        ],
+        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out),
     )
     quiet_progress(run.trainer)
 

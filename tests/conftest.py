@@ -98,6 +98,17 @@ def sigterm_when(*args: str | Path, watch: Path, rows: int, timeout: int = 600) 
     return proc.returncode, lines[0]
 
 
+class Payload:
+    """What a crafted pickle (a checkpoint, weights) smuggles in: unpickling it would create `path`.
+    fitrl loads such files as tensors only, so `path` must never appear."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
 def free_port() -> str:
     """A TCP port nobody listens on now: DDP tests on parallel test workers must not share one."""
     with socket.socket() as s:

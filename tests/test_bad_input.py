@@ -16,19 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, ROOT, bash_pipeline, run_main
-
-
-class _Payload:
-    """A pickle that would create `marker` if it were ever loaded without `weights_only`."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
+from conftest import CONFIGS, ROOT, Payload, bash_pipeline, run_main
 
 
 def _fails(capsys: pytest.CaptureFixture, script: str, *args: str | Path) -> str:
@@ -89,7 +77,7 @@ def test_a_model_folder_that_cannot_load_is_one_line(
     weights = model / "model.safetensors"
     if damage == "crafted .bin":
         weights.unlink()
-        (model / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload(marker)))
+        (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(marker)))
     elif damage == "truncated weights":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     assert message in _sft(capsys, tmp_path, demo_cache, "--model_name_or_path", model)
@@ -189,7 +177,7 @@ def test_an_adapter_whose_weights_cannot_load_is_one_line_before_the_model_loads
     else:
         weights.unlink()
     if damage == "crafted .bin":
-        (adapter / "adapter_model.bin").write_bytes(pickle.dumps(_Payload(marker)))
+        (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Payload(marker)))
     (adapter / "run_info.json").write_text(json.dumps({"stage": "grpo"}))  # as the GSM8K evaluation wants
     out = adapter.parent / "eval"
     args = ["--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]

@@ -17,6 +17,7 @@ from fitrl.rewards import is_correct, is_strict_format
 
 from conftest import (
     CONFIGS,
+    Payload,
     accelerate_launch,
     assert_memory_planned_and_measured,
     error_line,
@@ -532,18 +533,6 @@ def test_latest_skips_checkpoints_whose_save_did_not_finish(
     assert not copied_checkpoints.exists()
 
 
-class _Payload:
-    """A pickle that would run a shell command when loaded without `weights_only`."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        import os
-
-        return (os.system, (f"touch {self.marker}",))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "damage", "message"),
@@ -568,7 +557,7 @@ def test_a_damaged_or_crafted_checkpoint_is_one_line_and_runs_nothing(
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
     else:
-        path.write_bytes(pickle.dumps(_Payload(marker)))
+        path.write_bytes(pickle.dumps(Payload(marker)))
     assert _grpo_main(copied_checkpoints, demo_cache, "--resume_from_checkpoint", "latest") == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0] and name in errors[0], errors

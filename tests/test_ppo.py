@@ -13,7 +13,7 @@ from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, accelerate_launch, error_line, run_script, sigterm_when
+from conftest import CONFIGS, Payload, accelerate_launch, error_line, run_script, sigterm_when
 
 PPO_YAML = CONFIGS / "demo" / "ppo.yaml"
 # The demo base stands in for the merged model, so these tests do not depend on stages 1 and 2.
@@ -200,16 +200,6 @@ def _copy(checkpoints: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(checkpoints, tmp_path / "run.checkpoints"))
 
 
-class _Payload:
-    """What a crafted checkpoint smuggles in: unpickling it would create `path`."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (str(self.path), "w"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["optimizer.pt", "value_head.pt"])
 def test_a_crafted_checkpoint_file_is_refused_without_running(
@@ -217,7 +207,7 @@ def test_a_crafted_checkpoint_file_is_refused_without_running(
 ) -> None:
     root = _copy(ppo_checkpoints, tmp_path)
     ran = tmp_path / "payload-ran"
-    torch.save({"state": _Payload(ran)}, root / "step-2" / name)
+    torch.save({"state": Payload(ran)}, root / "step-2" / name)
     result = _ppo(tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
     assert result.returncode == 2, result.stderr[-3000:]
     assert name in error_line(result) and "refused" in error_line(result)
