@@ -1,6 +1,6 @@
-"""Glue for the stages that run on transformers' Trainer (trl's SFTTrainer and GRPOTrainer).
+"""Glue for the stages that run on transformers' Trainer (trl's SFT, Reward, DPO and GRPO trainers).
 
-SFT and GRPO share most of their training settings; `trainer_arguments` maps them onto the
+They share most of their training settings (`fitrl.stages.base.TrainerSettings`); `trainer_arguments` maps them onto the
 `TrainingArguments` fields in one place, with one rule for mixed precision (`trainer_precision`).
 The callbacks hold fitrl's promises on top of trl's loop: checkpoints that are complete or skipped
 (`checkpoint_extras`), a stop at the first non-finite value (`finite_guard`), a checkpoint and a
@@ -34,7 +34,7 @@ def trainer_precision(model_args: ModelArguments) -> dict[str, bool]:
 
 
 def trainer_arguments(args: Any, model_args: ModelArguments, output_dir: str) -> dict[str, Any]:
-    """The `TrainingArguments` keywords SFT and GRPO share, from a stage's own settings `args`."""
+    """The `TrainingArguments` keywords every trl stage shares, from a stage's own settings `args`."""
     return {
         "output_dir": output_dir,
         "learning_rate": args.learning_rate,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors
-from fitrl.modeling import unloaded_bitsandbytes_hidden
+from fitrl.modeling import SCORE_HEAD, unloaded_bitsandbytes_hidden
 from fitrl.ppo_step import Experience, PolicyAndValue, adapter_disabled, experience_chunk, micro_step_loss
 from fitrl.rollout import Rollout
 from fitrl.stages.ppo import PPOArguments
@@ -43,7 +43,13 @@ from fitrl.workload import Workload
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What trl 1.16's SFTTrainer and GRPOTrainer ask of their fused LM head (the logits are never built whole).
-FUSED_HEAD_OUTPUTS = {"sft": ("log_probs", "entropy", "is_top1"), "grpo": ("log_probs", "entropy")}
+FUSED_HEAD_OUTPUTS = {
+    "sft": ("log_probs", "entropy", "is_top1"),
+    "grpo": ("log_probs", "entropy"),
+    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+}
+# The reward-model stage trains a scalar head in place of the LM head (a sequence classifier).
+SCORE_STAGES = ("rm",)
 
 
 class _KbitMatmul(torch.autograd.Function):
@@ -89,8 +95,9 @@ def truncated_config(config: Any, num_layers: int) -> Any:
 
 
 def _output_embedding_names(model: nn.Module) -> set[str]:
+    """The head bitsandbytes leaves unquantized: the LM head, or a reward model's score head."""
     head = model.get_output_embeddings()
-    return {name for name, module in model.named_modules() if module is head}
+    return {name for name, module in model.named_modules() if module is head or name == SCORE_HEAD}
 
 
 def _stand_in_kbit(model: nn.Module, compute_dtype: torch.dtype, keeps_input: bool) -> None:
@@ -118,7 +125,7 @@ def build_trainable(
     `base`: a model loaded for real (`fitrl.modeling.load_causal_lm`, bitsandbytes layers and all) to
     wrap instead of building one from `config`.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     if num_layers is not None:
         config = truncated_config(config, num_layers)
@@ -126,8 +133,12 @@ def build_trainable(
     if base is not None:
         model = base
     else:
+        auto = AutoModelForCausalLM
+        if w.stage in SCORE_STAGES:
+            auto, config = AutoModelForSequenceClassification, copy.copy(config)
+            config.num_labels = 1
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if w.quantized else dtype)
+            model = auto.from_config(config, dtype=torch.float32 if w.quantized else dtype)
         model.config.pad_token_id = model.config.pad_token_id or 0
         if w.quantized:
             _stand_in_kbit(model, dtype, keeps_input=w.quantization == "8bit" and w.int8_keeps_input)
@@ -143,14 +154,28 @@ def build_trainable(
     # The adapter and value head are made on `device` itself: made on the CPU and moved, a plan on `meta`
     # would allocate them for real (lora_r 10000000 took gigabytes).
     if w.finetuning == "lora":
-        targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
-        with unloaded_bitsandbytes_hidden(), torch.device(device):
-            from peft import LoraConfig, get_peft_model
-
-            model = get_peft_model(model, LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets))
+        model = _with_lora(model, w, device)
     if w.value_head:
         with torch.device(device):
             model = PolicyAndValue(model, config.hidden_size)
+    return model
+
+
+def _with_lora(model: nn.Module, w: Workload, device: str | torch.device) -> nn.Module:
+    """`model` in a fresh trainable LoRA adapter (and the score head for a reward model); with
+    `w.reward_adapter`, a second, frozen adapter of the same shape beside it, as PPO scores with."""
+    targets: Any = "all-linear" if list(w.lora_targets) == ["all-linear"] else list(w.lora_targets)
+    with unloaded_bitsandbytes_hidden(), torch.device(device):
+        from peft import LoraConfig, get_peft_model
+
+        task = "SEQ_CLS" if w.stage in SCORE_STAGES else "CAUSAL_LM"  # SEQ_CLS trains the score head too
+        lora = LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets, task_type=task)
+        model = get_peft_model(model, lora)
+        if w.reward_adapter:
+            model.add_adapter("reward", lora)
+            for name, p in model.named_parameters():
+                if ".reward." in name:
+                    p.requires_grad_(False)
     return model
 
 
@@ -284,10 +309,10 @@ def grpo_logprob_pass(model: nn.Module, w: Workload, device: Any, vocab: int) ->
     ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
     mask = torch.ones_like(ids)
     with adapter_disabled(_policy(model)):
-        _grpo_logprobs(model, ids, mask, w.completion_len)
+        _fused_logprobs(model, ids, mask, w.completion_len)
 
 
-def _grpo_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> tuple:
+def _fused_logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> tuple:
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-keep] = -100
     out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
@@ -314,8 +339,20 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
         loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
     elif w.stage == "ppo":  # `fitrl.ppo_step.micro_step_loss` on a micro-batch of experience
         loss, _stats = micro_step_loss(model, _experience(w, ids, device), PPO_SETTINGS)
+    elif w.stage == "rm":  # trl's RewardTrainer: the chosen and rejected halves of one batch, Bradley-Terry
+        chosen, rejected = model(input_ids=ids, attention_mask=mask).logits[:, 0].chunk(2)
+        loss = -F.logsigmoid(chosen - rejected).mean()
+    elif w.stage == "dpo":  # trl's DPOTrainer: the policy's log-probs, then the reference's (adapter off)
+        logps, _entropy = _fused_logprobs(model, ids, mask, w.completion_len)
+        ref = torch.zeros_like(logps)  # precomputed before training
+        if w.reference_pass:
+            with torch.no_grad(), adapter_disabled(_policy(model)):
+                ref, _ = _fused_logprobs(model, ids, mask, w.completion_len)
+        ratios = (logps - ref).sum(-1)
+        chosen, rejected = ratios.chunk(2)
+        loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
     else:  # grpo, trl's dapo loss with one iteration: ratio exp(logp - logp.detach())
-        logps, _entropy = _grpo_logprobs(model, ids, mask, w.completion_len)
+        logps, _entropy = _fused_logprobs(model, ids, mask, w.completion_len)
         advantages = torch.zeros(w.micro_batch, 1, device=device)
         loss = -(torch.exp(logps - logps.detach()) * advantages).mean()
     loss.backward()

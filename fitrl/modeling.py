@@ -47,6 +47,9 @@ GRPO_LORA_TARGETS = {
     "gpt_neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
 }
 
+# The scalar head transformers' sequence classifiers put on a decoder (GPT-NeoX, Llama, Qwen...): a reward model's.
+SCORE_HEAD = "score"
+
 Quantization = Literal["none", "8bit", "4bit"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -117,17 +120,19 @@ def _device_map() -> dict[str, Any]:
     return {"": str(state.device)}
 
 
-def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
+def quantization_config(quantization: str, compute_dtype: torch.dtype, skip: list[str] | None = None) -> Any:
+    """bitsandbytes' config for `quantization`; `skip`: modules kept in full precision (a new score head)."""
     from transformers import BitsAndBytesConfig
 
     if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     if quantization == "4bit":
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype,
+            llm_int8_skip_modules=skip,
         )
     return None
 
@@ -196,25 +201,33 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     for_training: bool = True,
     pad_token_id: int | None = None,
+    score_head: bool = False,
 ) -> Any:
-    """Load the causal LM `args` names (or `path`), quantized as asked, ready for LoRA training."""
-    from transformers import AutoModelForCausalLM
+    """Load the causal LM `args` names (or `path`), quantized as asked, ready for LoRA training.
+
+    `score_head`: the same backbone with a scalar head in place of the LM head (a sequence classifier
+    with `num_labels=1`, what a reward model is), the head kept out of quantization.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = path or resolve_model_path(args.model_name_or_path, demo_cache_dir)
     dtype = torch_dtype(args.dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
-    qconfig = quantization_config(args.quantization, dtype)
+    qconfig = quantization_config(args.quantization, dtype, skip=[SCORE_HEAD] if score_head else None)
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
         kwargs["device_map"] = _device_map()
+    if score_head:
+        kwargs["num_labels"] = 1
+    auto = AutoModelForSequenceClassification if score_head else AutoModelForCausalLM
     with loading_errors("model", path):
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto.from_pretrained(path, **kwargs)
     if qconfig is not None:
         _release_checkpoint_map(model)
         int8_layers_on_cpu(model)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-        if model.generation_config is not None:
+        if getattr(model, "generation_config", None) is not None:
             model.generation_config.pad_token_id = pad_token_id
     kbit_training = qconfig is not None and for_training
     if kbit_training:

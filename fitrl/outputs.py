@@ -250,6 +250,28 @@ def plot_curves(
     return Path(path)
 
 
+def plot_histograms(groups: dict[str, Sequence[float]], path: str | Path, xlabel: str, ylabel: str) -> None:
+    """One histogram per group, on shared bins, each labelled with its mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    values = {name: np.asarray(v, dtype=float) for name, v in groups.items()}
+    everything = np.concatenate(list(values.values()))
+    bins = np.linspace(everything.min(), everything.max(), 30)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, v in values.items():
+        ax.hist(v, bins=bins, alpha=0.6, label=f"{name} (mean {v.mean():.2f})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def smoothing_window(n: int) -> int:
     """Points per rolling mean: a tenth of the curve, at least 3, odd so it centres on its point."""
     window = max(3, n // 10)

@@ -81,10 +81,34 @@ def _samples(stage: Stage, out: Path, limit: int = 40) -> str:
     return "\n".join(lines[:limit]) + (f"\n\n(first {limit} lines of `{path.name}`)" if cut else "")
 
 
+def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) -> list[str]:
+    """One evaluation of several policies (PPO's, DPO's) as a table, a row per policy: its figures, and
+    the training stage's wall time and measured peak memory. Empty unless two or more ran."""
+    rows = []
+    for stage in stages:
+        out = run_dir / stage.output_dir
+        cells = stage.side_by_side(out) if stage.side_by_side and out.is_dir() else {}
+        if not cells:
+            continue
+        trained_by = stage.reads[1] if stage.reads else stage.name
+        trained = run_dir / next((s.output_dir for s in STAGES if s.name == trained_by), trained_by)
+        memory = (load_run_info(trained).get("memory") or {}) if trained.is_dir() else {}
+        planned, measured = memory.get("planned_peak_mb"), memory.get("measured_peak_mb")
+        cells["training time"] = _minutes(timings[trained_by]) if trained_by in timings else "?"
+        cells["peak MiB planned / measured"] = " / ".join("?" if v is None else f"{v:.0f}" for v in (planned, measured))
+        rows.append((f"{trained_by} ({stage.name})", cells))
+    if len(rows) < 2:
+        return []
+    columns = list(dict.fromkeys(c for _name, cells in rows for c in cells))
+    lines = ["## side by side", "", "| policy | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {name} | " + " | ".join(cells.get(c, "") for c in columns) + " |" for name, cells in rows]
+    return [*lines, ""]
+
+
 def markdown(run_dir: Path, stages: list[Stage], title: str) -> tuple[str, list[Path]]:
     """The report as markdown (images linked relative to the run directory), and the images it shows."""
     timings = read_timings(run_dir)
-    parts, images = [f"# {title}", ""], []
+    parts, images = [f"# {title}", "", *side_by_side(run_dir, stages, timings)], []
     for stage in stages:
         out = run_dir / stage.output_dir
         if not out.is_dir():

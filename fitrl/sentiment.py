@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -58,6 +59,11 @@ class RewardArguments:
         "logit", "Score: the positive logit (the blog), its softmax probability, or its margin over the best other."
     )
     reward_batch_size: int = help_field(16, "Texts per classifier forward pass.")
+    reward_adapter: str | None = help_field(
+        None,
+        "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model, on the "
+        "policy's own backbone: no second model is loaded. It must have been trained on model_name_or_path.",
+    )
 
     def validate(self) -> None:
         check(self.reward_batch_size >= 1, "reward_batch_size", ">= 1")
@@ -80,6 +86,28 @@ def check_reward_label(reward_path: str, positive_label: str) -> None:
     labels = list(config.id2label.values())
     if positive_label not in labels:
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
+
+
+def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_cache_dir: str) -> None:
+    """The reward, checked before any model loads: a trained classifier with the positive label, or an rm
+    stage's adapter trained on the model the policy starts from (it is read on that model's backbone)."""
+    if not args.reward_adapter:
+        reward_path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
+        check_reward_label(reward_path, args.positive_label)
+        return
+    from fitrl.checkpoints import check_adapter_base, check_adapter_files
+
+    adapter = Path(args.reward_adapter).expanduser()
+    if not adapter.is_dir():
+        raise UsageError(f"reward_adapter {adapter} does not exist; give the output_dir of an rm run")
+    check_adapter_files(adapter, "rm")
+    try:
+        check_adapter_base(adapter, model_name, model_path, "ppo", force=False, producer="rm")
+    except UsageError as e:
+        raise UsageError(
+            f"reward_adapter: {str(e).split('; ')[0]}; a reward adapter shares the policy's backbone, so train "
+            f"the reward model on {model_name} (or score with a classifier: reward_model, no reward_adapter)"
+        ) from None
 
 
 class SentimentReward:

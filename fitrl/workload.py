@@ -28,6 +28,10 @@ class Workload:
     nograd_batch: int = 0  # sequences per no-grad pass (0: none)
     reference_pass: bool = False  # log-probs with the adapter off
     value_head: bool = False  # PPO's value head on the last hidden state
+    # PPO scoring with an rm adapter on its own backbone: a second, frozen adapter of the policy's shape
+    # (the shipped rm configs use the policy's LoRA settings); its scoring pass is no larger than the
+    # no-grad pass
+    reward_adapter: bool = False
     temperature: float = 1.0
     # bitsandbytes' 8-bit product keeps its input for backward; fitrl's on a CPU keeps none (FrozenInt8Product)
     int8_keeps_input: bool = True

@@ -1,13 +1,15 @@
-"""Evaluate a PPO policy against its reference on held-out prompts: reward, positive share, KL, and a judge.
+"""Evaluate a PPO or DPO policy against its reference on held-out prompts: reward, positive share, KL,
+win rate, and a judge.
 
-The policy is the merged model with the PPO adapter; the reference is the same model with the adapter
-disabled. Both answer the same held-out queries with the same response lengths. Besides the reward
+The policy is the merged model with the PPO (or DPO) adapter; the reference is the same model with the
+adapter disabled. Both answer the same held-out queries with the same response lengths. Besides the reward
 (and the share the reward classifier calls positive), a second judge the policy never trained against
 scores both (`judge_model`: the proxy-vs-gold check of reward over-optimisation), and the share of
 response words that are words of the training corpus tells text of the corpus's kind from word salad.
 
     python scripts/evaluate_sentiment.py --config configs/demo/eval.yaml
     python scripts/evaluate_sentiment.py --config configs/neox20b-24gb/eval.yaml --n_prompts 512
+    python scripts/evaluate_sentiment.py --config configs/demo/eval_dpo.yaml   # the DPO policy, same prompts
 
 Writes to `output_dir`: `eval.json` (summary and per-sample rows), `eval.md` (a short table and
 side-by-side samples) and `reward_hist.png`.
@@ -20,22 +22,24 @@ from pathlib import Path
 
 import torch
 
+from fitrl.adapter_reward import AdapterReward
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import entrypoint, save_run_config
+from fitrl.config import entrypoint, load_run_info, save_run_config
 from fitrl.data import load_texts
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, markdown_cell, staged_output_dir
+from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
     LEXICON_JUDGE,
     SentimentJudge,
     SentimentReward,
     build_queries,
+    check_reward,
     check_reward_label,
     corpus_vocabulary,
     corpus_word_share,
 )
-from fitrl.stages.eval_sentiment import STAGE
+from fitrl.stages.eval_sentiment import POLICY_STAGES, STAGE
 
 
 def summary(scores: torch.Tensor) -> dict[str, float]:
@@ -65,7 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     if model_args.quantization == "none":
         model.to(device)
     policy = PeftModel.from_pretrained(model, adapter_dir).eval()
-    reward = SentimentReward(reward_args, demo_args.demo_cache_dir, device)
+    if reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
+        reward = AdapterReward(policy, reward_args.reward_adapter, tokenizer, reward_args.reward_batch_size)
+    else:
+        reward = SentimentReward(reward_args, demo_args.demo_cache_dir, device)
     judge = None
     if args.judge_model:
         judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)
@@ -78,26 +85,28 @@ def main(argv: list[str] | None = None) -> None:
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
-        p_all = torch.tensor([r["policy_reward"] for r in rows])
-        plot_histogram(p_all, torch.tensor([r["reference_reward"] for r in rows]), out / "reward_hist.png")
+        plot_histograms(
+            {"reference": [r["reference_reward"] for r in rows], "policy": [r["policy_reward"] for r in rows]},
+            out / "reward_hist.png",
+            "reward",
+            "responses",
+        )
         save_run_config(out, model_args, prompt_args, reward_args, args, demo_args)
     print(table)
 
 
 def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Path, str]:
     """Every input checked before a weight loads: the output dir, the adapter, its base, the reward label."""
-    inputs = [args.adapter_dir, model_args.model_name_or_path, reward_args.reward_model, prompt_args.dataset]
+    reward = reward_args.reward_adapter or reward_args.reward_model
+    inputs = [args.adapter_dir, model_args.model_name_or_path, reward, prompt_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     adapter_dir = Path(args.adapter_dir).expanduser()
-    check_adapter_files(adapter_dir, "PPO")
+    check_adapter_files(adapter_dir, "policy")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    check_adapter_base(
-        adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer=STAGE.reads[1]
-    )
-    check_reward_label(
-        resolve_model_path(reward_args.reward_model, demo_args.demo_cache_dir, "reward model"),
-        reward_args.positive_label,
-    )
+    made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
+    producer = made_by if made_by in POLICY_STAGES else STAGE.reads[1]
+    check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
+    check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_cache_dir)
     if args.judge_model and args.judge_model != LEXICON_JUDGE:
         check_reward_label(
             resolve_model_path(args.judge_model, demo_args.demo_cache_dir, "judge model"), args.judge_positive_label
@@ -154,6 +163,12 @@ def summarize(rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, 
             ),
         }
     report["kl_mean"] = sum(r["kl"] for r in rows) / len(rows)
+    # The share of prompts whose policy response the reward model scores above the reference's (ties: half).
+    wins = [
+        1.0 if r["policy_reward"] > r["reference_reward"] else 0.5 * (r["policy_reward"] == r["reference_reward"])
+        for r in rows
+    ]
+    report["win_rate"] = sum(wins) / len(rows)
     if judge:
         report["judge"] = {"model": judge.name}
         for who in ("policy", "reference"):  # the judge's positive share, and its mean verdict in [-1, 1]
@@ -181,10 +196,11 @@ def report_table(report: dict, n_shown: int) -> str:
         "",
         head,
         "|---" * (head.count("|") - 1) + "|",
-        line("policy (PPO adapter)", p, "policy"),
+        line("policy (adapter on)", p, "policy"),
         line("reference (adapter off)", r, "reference"),
         "",
-        f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats",
+        f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats; the reward model prefers the "
+        f"policy's response on {report['win_rate']:.0%} of the prompts",
         "",
         "| query | policy | reward | reference | reward |",
         "|---|---|---|---|---|",
@@ -195,24 +211,6 @@ def report_table(report: dict, n_shown: int) -> str:
             f"| {cells[0]} | {cells[1]} | {s['policy_reward']:.2f} | {cells[2]} | {s['reference_reward']:.2f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def plot_histogram(policy: torch.Tensor, reference: torch.Tensor, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    bins = torch.linspace(min(policy.min(), reference.min()).item(), max(policy.max(), reference.max()).item(), 30)
-    ax.hist(reference.numpy(), bins=bins.numpy(), alpha=0.6, label=f"reference (mean {reference.mean():.2f})")
-    ax.hist(policy.numpy(), bins=bins.numpy(), alpha=0.6, label=f"policy (mean {policy.mean():.2f})")
-    ax.set_xlabel("reward")
-    ax.set_ylabel("responses")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fitrl import checkpoints, ppo, signals
+from fitrl.adapter_reward import AdapterReward
 from fitrl.checkpoints import (
     STATE_FILE,
     checkpoint_root,
@@ -66,7 +67,7 @@ from fitrl.rollout import (
     generation_batch,
     sample_responses,
 )
-from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward_label
+from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward
 from fitrl.stages.ppo import STAGE, PPOArguments
 
 
@@ -89,7 +90,7 @@ class Run:
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
     unwrapped: Any = None  # PolicyAndValue itself
     optimizer: Any = None
-    reward: SentimentReward | None = None
+    reward: SentimentReward | AdapterReward | None = None
     kl_ctl: Any = None
     score_stats: ppo.RunningMoments | None = None
     metrics: MetricsLog | None = None
@@ -146,14 +147,14 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     """Everything a user can get wrong, checked before the backbone loads."""
     model_args, lora_args, prompt_args, reward_args, args, demo_args = configs
     cache = demo_args.demo_cache_dir
-    inputs = [model_args.model_name_or_path, prompt_args.dataset, reward_args.reward_model, args.resume_from_checkpoint]
+    reward = reward_args.reward_adapter or reward_args.reward_model
+    inputs = [model_args.model_name_or_path, prompt_args.dataset, reward, args.resume_from_checkpoint]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "PPO", config_dict(*configs)
     )
-    reward_path = resolve_model_path(reward_args.reward_model, cache, "reward model")
-    check_reward_label(reward_path, reward_args.positive_label)
     model_path = resolve_model_path(model_args.model_name_or_path, cache)
+    check_reward(reward_args, model_args.model_name_or_path, model_path, cache)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, cache, args.seed)
     if len(queries) < args.batch_size:
@@ -181,7 +182,8 @@ def build(run: Run) -> None:
     """The reward (first: a bad one should not cost a backbone load), the backbone, a fresh LoRA policy
     and value head, the optimizer and KL controller."""
     args = run.args
-    run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
+    if not run.reward_args.reward_adapter:
+        run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,
@@ -191,6 +193,10 @@ def build(run: Run) -> None:
     torch.manual_seed(args.seed)  # the same fresh adapter and value head on every rank
     model = PolicyAndValue(add_lora(backbone, run.lora_args), backbone.config.hidden_size)
     model.value_head.to(run.device)  # the backbone is already placed (device_map) or moved by prepare()
+    if run.reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
+        run.reward = AdapterReward(
+            model.policy, run.reward_args.reward_adapter, run.tokenizer, run.reward_args.reward_batch_size
+        )
     run.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     run.frozen_digest = tensor_digest(run.frozen) if args.verify_frozen_base else None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -239,7 +245,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         staging = path.with_name(path.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        run.unwrapped.policy.save_pretrained(staging / "adapter")
+        run.unwrapped.policy.save_pretrained(staging / "adapter", selected_adapters=["default"])
         torch.save(run.unwrapped.value_head.state_dict(), staging / "value_head.pt")
         torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
         (staging / STATE_FILE).write_text(json.dumps(state))
@@ -432,7 +438,7 @@ def finish(run: Run) -> None:
         raise RunFailed("a frozen base weight changed during PPO: the reference model is no longer the reference")
 
     def save_weights(out: Path) -> None:
-        unwrapped.policy.save_pretrained(out)
+        unwrapped.policy.save_pretrained(out, selected_adapters=["default"])  # not the reward adapter
         torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
 
     rewards = [r["env/reward_mean"] for r in run.metrics.rows]

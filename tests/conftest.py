@@ -150,9 +150,16 @@ def assert_memory_planned_and_measured(info: dict) -> None:
     assert 0.7 < measured / planned < 1.10, memory
 
 
-def demo_project(root: Path, demo_cache: Path, profile: str, overrides: dict[str, dict] | None = None) -> Path:
+def demo_project(
+    root: Path,
+    demo_cache: Path,
+    profile: str,
+    overrides: dict[str, dict] | None = None,
+    stages: list[str] | None = None,
+) -> Path:
     """A project directory at `root` with the real scripts and launchers, whose one profile is the demo's
-    configs (each stage's `overrides` applied) under the name `profile`, reading the session's demo build."""
+    configs (each stage's `overrides` applied; only `stages` if given) under the name `profile`, reading
+    the session's demo build."""
     import yaml
 
     for name in ["pipeline.sh", "scripts"]:
@@ -162,6 +169,8 @@ def demo_project(root: Path, demo_cache: Path, profile: str, overrides: dict[str
     configs = root / "configs" / profile
     configs.mkdir()
     for config in sorted((CONFIGS / "demo").glob("*.yaml")):
+        if stages is not None and config.stem not in stages:
+            continue
         values = yaml.safe_load(config.read_text())
         values.update((overrides or {}).get(config.stem, {}), demo_cache_dir=str(demo_cache))
         (configs / config.name).write_text(yaml.safe_dump(values, sort_keys=False))

@@ -129,7 +129,7 @@ def _quick_build(out: Path, **env: str) -> Path:
 
 # `assets_digest` of `_quick_build` on the pinned path (recorded with the machine's own kernels; update
 # it beside `demo.ASSETS_DIGEST` when the build changes).
-QUICK_BUILD_DIGEST = "3f92bba4b9457fdf45a319bde0a31fb0f3fd9edd96e0dff3bbf9b4e2bae6abdf"
+QUICK_BUILD_DIGEST = "ac63b0ed8a27f4a3be46d3c0c68731316f57da5cb624e2cf6662c1d8d512b2cc"
 
 
 @pytest.mark.slow

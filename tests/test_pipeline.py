@@ -39,7 +39,10 @@ def _scripts(stdout: str) -> list[str]:
             [
                 "sft_lora.py",
                 "merge_adapter.py",
+                "train_reward.py",
                 "ppo_sentiment.py",
+                "evaluate_sentiment.py",
+                "dpo.py",
                 "evaluate_sentiment.py",
                 "grpo_gsm8k.py",
                 "evaluate_gsm8k.py",
@@ -47,7 +50,14 @@ def _scripts(stdout: str) -> list[str]:
         ),
         (
             "neox20b-24gb",
-            ["sft_lora.py", "merge_adapter.py", "ppo_sentiment.py", "evaluate_sentiment.py"],
+            [
+                "sft_lora.py",
+                "merge_adapter.py",
+                "train_reward.py",
+                "ppo_sentiment.py",
+                "evaluate_sentiment.py",
+                "dpo.py",
+            ],
         ),
         ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
     ],
@@ -111,7 +121,7 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, 
 def test_help_lists_stages_profiles_options_and_examples() -> None:
     result = _pipeline("--help", DRY_RUN="0")
     assert result.returncode == 0, result.stderr
-    expected = ["sft merge ppo eval grpo eval_gsm8k", "demo", "neox20b-24gb", "ddp_cpu_2proc"]
+    expected = ["sft merge rm ppo eval dpo eval_dpo grpo eval_gsm8k", "demo", "neox20b-24gb", "ddp_cpu_2proc"]
     expected += ["--from", "--run_dir", "--launcher", "--force", "--dry_run", "bash pipeline.sh --profile llama1b-16gb"]
     for text in expected:
         assert text in result.stdout, text
@@ -137,12 +147,16 @@ def test_from_runs_a_stage_and_every_one_after_it() -> None:
     result = _pipeline(PROFILE="demo", STAGES="")
     everything = _scripts(result.stdout)
     result = _pipeline("--from", "eval")
-    assert _scripts(result.stdout) == everything[3:] == ["evaluate_sentiment.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]
+    after_ppo = ["evaluate_sentiment.py", "dpo.py", "evaluate_sentiment.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]
+    assert _scripts(result.stdout) == everything[4:] == after_ppo
     assert "--adapter_dir outputs/demo/ppo" in result.stdout.splitlines()[0]  # its input, from the run directory
 
 
-QUICK = {  # the demo profile, cut to what shows the machinery in about two minutes
+# The demo profile, cut to what shows the machinery in about two minutes: the stages that feed one
+# another in both directions of a run directory (rm and dpo run through the pipeline in test_profiles).
+QUICK = {
     "sft": {"max_steps": 6, "logging_steps": 2},
+    "merge": {},
     "ppo": {"steps": 4, "save_steps": 1},
     "eval": {"n_prompts": 16},
     "grpo": {"max_steps": 2, "per_device_train_batch_size": 16, "max_samples": 64},
@@ -153,7 +167,7 @@ QUICK = {  # the demo profile, cut to what shows the machinery in about two minu
 @pytest.fixture
 def quick_project(tmp_path: Path, demo_cache: Path) -> Path:
     """A project directory whose one profile is a short demo, with the real scripts and launchers."""
-    return demo_project(tmp_path, demo_cache, "quick", QUICK)
+    return demo_project(tmp_path, demo_cache, "quick", QUICK, stages=list(QUICK))
 
 
 def _edit(path: Path, **values: object) -> None:
@@ -173,10 +187,11 @@ def test_pipeline_runs_skips_reruns_after_a_change_and_resumes_a_killed_stage(qu
     run_dir = quick_project / "outputs" / "quick"
     first = bash_pipeline(quick_project, "--profile", "quick")
     assert first.returncode == 0, first.stderr[-3000:]
-    assert set(_status(first.stderr)) == {"sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"}
-    for stage in ["sft", "merged", "ppo", "eval", "grpo", "eval_gsm8k"]:
+    stages = list(QUICK)
+    assert list(_status(first.stderr)) == stages
+    for stage in ["merged" if s == "merge" else s for s in stages]:
         assert (run_dir / stage / "run_config.yaml").is_file(), stage
-    for stage in ["sft", "merge", "ppo", "eval", "grpo", "eval_gsm8k"]:
+    for stage in stages:
         assert (run_dir / "logs" / f"{stage}.log").stat().st_size > 0, stage
     report = (run_dir / "report.md").read_text()
     figures = ["loss ", "verified: max logit difference", "reward ", "held-out reward", "accuracy ", "wall time"]

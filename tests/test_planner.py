@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,7 @@ from fitrl.memtrace import build_trainable, make_optimizer, measure_step, trace_
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
 from fitrl.workload import Workload
 
-from conftest import CONFIGS, run_script
+from conftest import CONFIGS, run_main, run_script
 
 GiB = planner.GiB
 
@@ -169,6 +171,10 @@ WORKLOADS = {
         gen_batch=8,
         reference_pass=True,
     ),
+    # a reward model: a sequence classifier whose score head trains with the adapter; pairs as 2 x 4 texts
+    "rm": Workload("rm", dtype="float32", micro_batch=8, completion_len=48),
+    # DPO: the policy's pass on 2 x 4 texts, then the reference's (adapter off) inside the same step
+    "dpo": Workload("dpo", dtype="float32", micro_batch=8, completion_len=48, reference_pass=True),
 }
 
 
@@ -228,9 +234,13 @@ def test_kv_cache_for_long_completions_matches_unsloths_order_of_magnitude() -> 
 
 
 def _cli(*args: str) -> tuple[int, dict]:
-    result = run_script("plan_memory.py", *args, "--json", timeout=900)
-    assert result.returncode in (0, 1), result.stderr
-    return result.returncode, json.loads(result.stdout)
+    """`plan_memory.py ... --json` as a user runs it, in this process: one 20B architecture is traced once
+    for the calls that share its shapes, not once per subprocess."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = run_main("plan_memory.py", *args, "--json")
+    assert code in (0, 1), out.getvalue()[-2000:]
+    return code, json.loads(out.getvalue())
 
 
 @pytest.mark.slow
@@ -238,7 +248,7 @@ def test_neox20b_profiles_fit_an_rtx_4090_not_16gb_and_suggest_a_4bit_base() -> 
     """The profile's card as torch sees it (23.64 GiB, not 24), with the plan's own CUDA context and
     allocator slack inside the peak."""
     neox = ["--architecture", "EleutherAI/gpt-neox-20b"]
-    for stage in ["sft", "ppo"]:
+    for stage in ["sft", "rm", "ppo", "dpo"]:
         code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu", "RTX 4090")
         assert code == 0 and fits24["fits"], fits24
         assert fits24["gpu_memory_bytes"] == int(23.64 * GiB)
@@ -247,6 +257,11 @@ def test_neox20b_profiles_fit_an_rtx_4090_not_16gb_and_suggest_a_4bit_base() -> 
             assert key in fits24
         assert {"weights", "trainable_params", "gradients", "optimizer_states"} <= set(fits24["components"])
         assert sum(fits24["components"].values()) == fits24["peak_bytes"]
+    # PPO against a 20B reward model as an rm adapter on the policy's own backbone: it fits, no second
+    # model counted (loaded separately, in fp32 as a classifier is, it would add 75 GiB: docs/stages.md)
+    ppo = ["--config", CONFIGS / "neox20b-24gb" / "ppo.yaml", *neox, "--gpu", "RTX 4090"]
+    code, shared = _cli(*ppo, "--reward_adapter", "outputs/neox20b-24gb/rm")
+    assert code == 0 and shared["fits"] and shared["components"]["reward_model"] == 0, shared
     code, at16 = _cli("--config", CONFIGS / "neox20b-24gb" / "sft.yaml", *neox, "--gpu_memory_gb", "16", "--suggest")
     assert code == 1 and not at16["fits"]
     assert at16["suggestions"][0] == {"quantization": "4bit"}  # the nearest change first, in the stage's keys
@@ -278,7 +293,7 @@ def test_cli_traces_the_demo_and_prints_a_table(demo_cache: Path) -> None:
         (["--config", "configs/demo/grpo.yaml", "--max_completion_length", "-4"], "max_completion_length"),
         (["--config", "configs/demo/grpo.yaml", "--num_generations", "3"], "num_generations"),
         (["--config", "configs/demo/sft.yaml", "--gpu_memory_gb", "0"], "gpu_memory_gb"),
-        (["--stage", "dpo"], "invalid choice"),
+        (["--stage", "bogus"], "invalid choice"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_cache: Path) -> None:
@@ -370,8 +385,6 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
 def test_a_named_card_is_planned_at_what_torch_reports(
     args: list[str], expected: str, demo_cache: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    from conftest import run_main
-
     code = run_main("plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
                     "--brief", *args)  # fmt: skip
     out = capsys.readouterr()

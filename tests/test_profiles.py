@@ -30,11 +30,14 @@ STAND_INS = {
     "siebert/sentiment-roberta-large-english": "demo://classifier",
     "meta-llama/Llama-3.2-1B-Instruct": "{tiny_llama}",
     "openai/gsm8k": "demo://arithmetic",
+    "Anthropic/hh-rlhf": "demo://preferences",
 }
 # Per stage, what makes it two steps long (evaluations: one batch).
 TWO_STEPS = {
     "sft": {"max_steps": 2},
+    "rm": {"max_steps": 2, "max_eval_samples": 8},
     "ppo": {"steps": 2},
+    "dpo": {"max_steps": 2, "max_eval_samples": 8},
     "grpo": {"max_steps": 2},
     "eval": {"n_prompts": 16},
     "eval_gsm8k": {"max_samples": 32},

@@ -34,18 +34,11 @@ def _sft(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = 
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+    """A short demo SFT (the whole one runs in the demo pipeline, where test_demo_learns checks its loss)."""
     out = tmp_path_factory.mktemp("sft") / "run"
-    result = _sft(out, demo_cache)
+    result = _sft(out, demo_cache, "--max_steps", "20", "--logging_steps", "5")
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-@pytest.mark.slow
-def test_demo_sft_lowers_the_loss(sft_run: Path) -> None:
-    losses = [r["loss"] for r in read_jsonl(sft_run / "metrics.jsonl") if "loss" in r]
-    assert len(losses) >= 5
-    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
-    assert last < 0.95 * first, f"loss did not fall clearly: {losses}"
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@
 - `reviews/{train,test}.jsonl`: the project's own movie reviews (`text`, `label` 0=neg 1=pos);
 - `arithmetic/{train,test}.jsonl`: word problems in GSM8K's format (`question`, `answer` ending
   in `#### <number>`);
+- `preferences/{train,test}.jsonl`: preference pairs (`prompt`, `chosen`, `rejected`): a review's
+  opening words and two continuations the corpus's own rule ranks, a stated share of labels swapped;
 - `lm/`: a tiny GPT-NeoX (the gpt-neox-20b family) with a byte-level BPE tokenizer trained on those texts;
 - `reasoner/`: that LM after an SFT on worked arithmetic in GRPO's `<reasoning>`/`<answer>`
   format, with a plain chat template and the format's tags as tokens: the GRPO demo's starting point;
@@ -12,7 +14,7 @@
   the reviews: the demo's reward model (labels NEGATIVE / POSITIVE, like lvwerra/distilbert-imdb).
 
 Stages name them `demo://lm`, `demo://reasoner`, `demo://classifier`, `demo://reviews`,
-`demo://arithmetic`; `resolve` is the one place that turns such a URI into a path. The texts are
+`demo://arithmetic`, `demo://preferences`; `resolve` is the one place that turns such a URI into a path. The texts are
 made in `corpus`, the models trained in `models`.
 """
 
@@ -25,15 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.config import UsageError, help_field
-from fitrl.demo.corpus import N_PROBLEMS, N_REVIEWS, make_problems, make_reviews
+from fitrl.demo.corpus import FLIPPED_SHARE, N_PAIRS, N_PROBLEMS, N_REVIEWS, make_pairs, make_problems, make_reviews
 from fitrl.outputs import write_jsonl
 
-VERSION = 5
+VERSION = 6
 DEFAULT_SEED = 1234
 DEFAULT_CACHE_DIR = "~/.cache/fitrl/demo"
 SCHEME = "demo://"
 N_TEST_REVIEWS = 400
 N_TEST_PROBLEMS = 300
+N_TEST_PAIRS = 250
 # The numeric path every build takes, whatever the CPU, so that the assets are the same bytes on any
 # x86-64 machine with AVX2 (Intel since 2013, AMD since 2015): ATen's AVX2 kernels (an AVX-512 machine
 # would dispatch to others, one without AVX2 can only take the slower portable ones), MKL's
@@ -49,17 +52,21 @@ BUILD_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "OMP_NUM_THREADS": str(BUILD_THREADS),
     "MKL_NUM_THREADS": str(BUILD_THREADS),
+    # transformers writes `local_files_only` into a saved tokenizer's config as this says: without it,
+    # the same build online and offline differed in one byte.
+    "HF_HUB_OFFLINE": "1",
 }
 # `assets_digest` of the build of this VERSION with DEFAULT_SEED on that path: the tests check every new
 # build against it. A change to the corpus, the models or their training changes it: bump VERSION and
 # record the new digest.
-ASSETS_DIGEST = "2212aaa8adca154661414dafdc2ebc9aeb1e24074887dca5001e8df6767b9718"
+ASSETS_DIGEST = "122aeea740534a0da99f55a5703eb0b54194c747fa96f0f6e2661924f5cc8323"
 MODELS = ("lm", "reasoner", "classifier")
-DATASETS = ("reviews", "arithmetic")
+DATASETS = ("reviews", "arithmetic", "preferences")
 MANIFEST = "manifest.json"
 
 __all__ = [
     "ASSETS_DIGEST",
+    "FLIPPED_SHARE",
     "N_PROBLEMS",
     "N_REVIEWS",
     "DemoArguments",
@@ -155,6 +162,9 @@ def build_into(staging: Path, seed: int) -> None:
         write_jsonl(staging / "reviews" / "test.jsonl", test)
         write_jsonl(staging / "arithmetic" / "train.jsonl", train_problems)
         write_jsonl(staging / "arithmetic" / "test.jsonl", test_problems)
+        # Each split has exactly its stated share of swapped labels: the held-out ceiling is 1 - FLIPPED_SHARE.
+        write_jsonl(staging / "preferences" / "train.jsonl", make_pairs(seed, N_PAIRS - N_TEST_PAIRS))
+        write_jsonl(staging / "preferences" / "test.jsonl", make_pairs(seed + 1, N_TEST_PAIRS))
 
         def text(row: dict[str, Any]) -> str:
             return row["text"] if "text" in row else row["question"] + "\n" + row["answer"]
@@ -176,6 +186,8 @@ def build_into(staging: Path, seed: int) -> None:
         "classifier_test_accuracy": round(accuracy, 4),
         "n_reviews": len(reviews),
         "n_problems": len(problems),
+        "n_pairs": N_PAIRS,
+        "pairs_flipped_share": FLIPPED_SHARE,
     }
     (staging / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
 

@@ -134,12 +134,13 @@ def _neutral(rng: random.Random, title: str) -> str:
     return rng.choice(options)
 
 
-def _opinion(rng: random.Random, positive: bool) -> str:
-    """One sentence whose sentiment is `positive`; some say it through a negation, so words alone mislead."""
+def _opinion(rng: random.Random, positive: bool, negations: bool = True) -> str:
+    """One sentence whose sentiment is `positive`; some say it through a negation, so words alone mislead
+    (none when not `negations`: those become plain adjectives)."""
     aspect = rng.choice(_ASPECTS)
     aspect = aspect[0].upper() + aspect[1:]
     kind = rng.random()
-    if kind < 0.6:
+    if kind < 0.6 or (kind < 0.8 and not negations):
         adj = rng.choice(_POS_ADJ if positive else _NEG_ADJ)
         return f"{aspect} was {rng.choice(_INTENSIFIERS)}{adj}."
     if kind < 0.8:  # "not <opposite>"
@@ -252,3 +253,47 @@ def opinion_polarity(text: str) -> int:
                 sign = -sign
             score += sign
     return score
+
+
+# Preference pairs: what a reward model and DPO learn from.
+
+N_PAIRS = 1600
+# The share of pairs whose labels are swapped, standing for annotators who disagree with the rule: no
+# reward model can agree with more than 1 - FLIPPED_SHARE of the (equally noisy) held-out labels.
+FLIPPED_SHARE = 0.1
+
+
+def make_pair(rng: random.Random) -> dict[str, str]:
+    """One prompt, the opening words of a review, and two continuations of it that finish its first
+    sentence the same way and then go on differently: with one or two positive opinions, or with
+    negative ones or (half the time) a second neutral sentence. The generator's rule
+    (`opinion_polarity`) ranks positive above neutral above negative: the positive one is `chosen`.
+
+    The opinions are plain ("was dull", "I loved"), never negated: the annotators of the demo never
+    judged a "not dull", so a reward model learns no more of negation than the LM already knows (a
+    tiny one learns it slowly: with the reviews' 20% of negated opinions, four epochs reached 92-97% of
+    the rule's verdicts; plain, one epoch reaches 100%). The second judge reads negations; where PPO
+    leans on that blind spot, the judge says so.
+    """
+    title = f"The {rng.choice(_TITLE_A)} {rng.choice(_TITLE_B)}"
+    words = _neutral(rng, title).split()
+    cut = rng.randint(2, min(6, len(words) - 1))
+    prompt, rest = " ".join(words[:cut]), " ".join(words[cut:])
+    n = rng.randint(1, 2)
+    positive = " ".join([rest] + [_opinion(rng, True, negations=False) for _ in range(n)])
+    if rng.random() < 0.5:
+        other = " ".join([rest] + [_opinion(rng, False, negations=False) for _ in range(n)])
+    else:
+        other = f"{rest} {_neutral(rng, title)}"
+    if opinion_polarity(positive) <= opinion_polarity(other):  # never: the rule reads what it wrote
+        raise AssertionError((positive, other))
+    return {"prompt": prompt, "chosen": " " + positive, "rejected": " " + other}
+
+
+def make_pairs(seed: int, n: int, flipped_share: float = FLIPPED_SHARE) -> list[dict[str, str]]:
+    """`n` pairs, exactly round(`flipped_share` x n) of them, drawn at random, with their labels swapped."""
+    rng = random.Random(seed + 2)
+    pairs = [make_pair(rng) for _ in range(n)]
+    for i in rng.sample(range(n), round(flipped_share * n)):
+        pairs[i] = {**pairs[i], "chosen": pairs[i]["rejected"], "rejected": pairs[i]["chosen"]}
+    return pairs

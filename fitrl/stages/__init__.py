@@ -8,10 +8,20 @@ its place in the pipeline, its memory workload and suggestions, its report figur
 from __future__ import annotations
 
 from fitrl.config import UsageError
-from fitrl.stages import eval_gsm8k, eval_sentiment, grpo, merge, ppo, sft
+from fitrl.stages import dpo, eval_dpo, eval_gsm8k, eval_sentiment, grpo, merge, ppo, rm, sft
 from fitrl.stages.base import Stage, StageMemory
 
-STAGES: tuple[Stage, ...] = (sft.STAGE, merge.STAGE, ppo.STAGE, eval_sentiment.STAGE, grpo.STAGE, eval_gsm8k.STAGE)
+STAGES: tuple[Stage, ...] = (
+    sft.STAGE,
+    merge.STAGE,
+    rm.STAGE,
+    ppo.STAGE,
+    eval_sentiment.STAGE,
+    dpo.STAGE,
+    eval_dpo.STAGE,
+    grpo.STAGE,
+    eval_gsm8k.STAGE,
+)
 NAMES = tuple(s.name for s in STAGES)
 PLANNABLE = tuple(s.name for s in STAGES if s.memory is not None)
 

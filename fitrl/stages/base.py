@@ -14,9 +14,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from fitrl.config import parse_config
+from fitrl.config import check, check_tracker, help_field, parse_config
 from fitrl.modeling import DEFAULT_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.outputs import METRICS_NAME, read_jsonl
 from fitrl.workload import Workload
@@ -66,6 +66,9 @@ class Stage:
     samples: str | None = None  # a markdown file the report shows
     # Defaults read from the stage before (its run_config.yaml), under the config file and the flags.
     inherited: Callable[[list[str]], dict[str, Any]] | None = None
+    # An evaluation several stages run on different policies (PPO's, DPO's): its headline figures as
+    # table cells, which the report sets side by side, a row per policy.
+    side_by_side: Callable[[Path], dict[str, str]] | None = None
 
     def parse(self, argv: Sequence[str] | None = None) -> Configs:
         """The stage's settings from `--config` and flags, exactly as its script reads them."""
@@ -75,6 +78,50 @@ class Stage:
 
 
 # --- pieces the stage modules share ---------------------------------------------------------------
+
+
+@dataclass
+class TrainerSettings:
+    """The settings of a stage that trains on transformers' Trainer (trl's SFT, Reward and DPO trainers);
+    `fitrl.hf_trainer.trainer_arguments` maps them onto `TrainingArguments`. A stage subclasses it with
+    its data settings and its own defaults (a field redeclared keeps its place)."""
+
+    output_dir: str = help_field("outputs/stage", "Where the adapter, tokenizer, config, metrics and plots go.")
+    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
+    learning_rate: float = help_field(2e-4, "Peak learning rate of the LoRA weights.")
+    num_train_epochs: float = help_field(1.0, "Passes over the data (ignored when max_steps > 0).")
+    max_steps: int = help_field(-1, "Stop after this many optimizer steps (-1: run num_train_epochs).")
+    per_device_train_batch_size: int = help_field(4, "Examples per device per forward pass.")
+    gradient_accumulation_steps: int = help_field(1, "Forward passes summed into one optimizer step.")
+    gradient_checkpointing: bool = help_field(True, "Recompute activations in backward: far less memory, ~30% slower.")
+    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"] = help_field(
+        "adamw_torch", "Optimizer; the 8-bit ones keep Adam's state in 8 bits (bitsandbytes)."
+    )
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = help_field(
+        "linear", "Learning-rate schedule."
+    )
+    warmup_ratio: float = help_field(0.0, "Fraction of the steps spent warming the learning rate up.")
+    weight_decay: float = help_field(0.0, "AdamW weight decay.")
+    max_grad_norm: float = help_field(1.0, "Clip the gradient norm to this (0 disables clipping).")
+    logging_steps: int = help_field(10, "Log (metrics.jsonl, progress bar) every this many steps.")
+    save_steps: int = help_field(0, "Save a resumable checkpoint every this many steps (0: none).")
+    resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
+    report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
+    seed: int = help_field(42, "Random seed (LoRA init, data order, dropout).")
+
+    def validate(self) -> None:
+        check_tracker(self.report_to)
+        check(self.learning_rate > 0, "learning_rate", "> 0")
+        check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
+        check(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
+        check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "-1 or >= 1")
+        check(self.num_train_epochs > 0, "num_train_epochs", "> 0")
+        check(self.logging_steps >= 1, "logging_steps", ">= 1")
+        check(self.save_steps >= 0, "save_steps", ">= 0")
+        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
+        check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
+        check(self.weight_decay >= 0, "weight_decay", ">= 0")
+        check(self.seed >= 0, "seed", ">= 0")
 
 
 def compute_dtype(model_args: ModelArguments, on_gpu: bool) -> str:

@@ -1,4 +1,4 @@
-"""The eval stage: the PPO policy against its reference on held-out prompts (reward, judge, KL).
+"""The eval stage: the PPO policy against its reference on held-out prompts (reward, judge, KL, win rate).
 
 Script: `scripts/evaluate_sentiment.py`. Reads the PPO run's settings (its `run_config.yaml`) as
 defaults, so it answers prompts the way the policy was trained to. Writes `eval.json`, `eval.md`.
@@ -21,7 +21,7 @@ from fitrl.stages.base import Stage, config_of, field_names
 class SentimentEvalArguments:
     """What to evaluate and where the report goes."""
 
-    adapter_dir: str = help_field("outputs/ppo", "The PPO stage's output directory (the policy adapter).")
+    adapter_dir: str = help_field("outputs/ppo", "The PPO (or DPO) stage's output directory: the policy adapter.")
     output_dir: str = help_field("outputs/eval", "Where eval.json, eval.md and reward_hist.png go.")
     overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
     n_prompts: int = help_field(128, "Held-out prompts to answer.")
@@ -46,15 +46,22 @@ class SentimentEvalArguments:
 CONFIG_TYPES = (ModelArguments, PromptArguments, RewardArguments, SentimentEvalArguments, DemoArguments)
 
 
+# The stages whose adapter is a policy this evaluation can judge.
+POLICY_STAGES = ("ppo", "dpo")
+
+
 def ppo_settings(argv: list[str]) -> dict:
-    """The model, prompt and reward settings the PPO run wrote to its `run_config.yaml`.
+    """The model, prompt and reward settings the policy's run wrote to its `run_config.yaml`.
 
     The evaluation answers prompts the way the policy was trained to, unless the config or a flag
-    says otherwise; only the split (held-out prompts) and the number of prompts are its own.
+    says otherwise; only the split (held-out prompts) and the number of prompts are its own. A DPO run
+    has no prompt or reward settings (its `dataset` holds pairs): only its model settings are taken.
     """
     eval_args = config_of(parse_config(CONFIG_TYPES, argv), SentimentEvalArguments)
     trained = load_run_config(Path(eval_args.adapter_dir).expanduser())
-    inherited = field_names(ModelArguments, PromptArguments, RewardArguments) - {"dataset_split", "max_prompts"}
+    inherited = field_names(ModelArguments)
+    if "reward_model" in trained:  # a PPO run
+        inherited |= field_names(PromptArguments, RewardArguments) - {"dataset_split", "max_prompts"}
     return {k: v for k, v in trained.items() if k in inherited}
 
 
@@ -66,7 +73,7 @@ def figures(out: Path) -> list[str]:
     found = [
         f"held-out reward {e['reference']['mean']:.2f} (reference) -> {e['policy']['mean']:.2f} (policy) "
         f"on {e['n_prompts']} prompts",
-        f"KL {e['kl_mean']:.2f} nats",
+        f"KL {e['kl_mean']:.2f} nats" + (f", win rate {e['win_rate']:.0%}" if "win_rate" in e else ""),
     ]
     if "positive_share" in e["policy"]:
         r, p = e["reference"], e["policy"]
@@ -76,6 +83,25 @@ def figures(out: Path) -> list[str]:
         j = e["judge"]
         found.append(f"positive by the judge ({j.get('model', 'judge')}) {j['reference']:.0%} -> {j['policy']:.0%}")
     return found
+
+
+def side_by_side(out: Path) -> dict[str, str]:
+    """The figures that say which policy moved the judge more, at what KL."""
+    path = out / "eval.json"
+    if not path.is_file():
+        return {}
+    e = json.loads(path.read_text())
+    cells = {}
+    if "judge" in e:
+        cells[f"judge ({e['judge'].get('model', 'judge')}): positive"] = (
+            f"{e['judge']['reference']:.0%} -> {e['judge']['policy']:.0%}"
+        )
+    cells["reward model: positive"] = f"{e['reference']['positive_share']:.0%} -> {e['policy']['positive_share']:.0%}"
+    cells["corpus words"] = f"{e['policy']['corpus_word_share']:.1%}"
+    cells["KL (nats)"] = f"{e['kl_mean']:.2f}"
+    if "win_rate" in e:
+        cells["win rate"] = f"{e['win_rate']:.0%}"
+    return cells
 
 
 STAGE = Stage(
@@ -88,4 +114,5 @@ STAGE = Stage(
     plot="reward_hist.png",
     samples="eval.md",
     inherited=ppo_settings,
+    side_by_side=side_by_side,
 )

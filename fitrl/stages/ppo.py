@@ -138,7 +138,13 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
         nograd_batch=min(args.forward_batch_size, args.batch_size),
         reference_pass=True,
         value_head=True,
+        reward_adapter=bool(config_of(configs, RewardArguments).reward_adapter),
     )
+
+
+def reward_model(args: RewardArguments) -> str | None:
+    """The model loaded beside the policy to score: none when the reward is an adapter on its backbone."""
+    return None if args.reward_adapter else args.reward_model
 
 
 def batch_moves(configs: Configs) -> Moves:
@@ -178,7 +184,7 @@ STAGE = Stage(
         optimizer_key="optimizer",
         eight_bit_optimizer="adamw_8bit",
         batch_moves=batch_moves,
-        reward_model=lambda configs: config_of(configs, RewardArguments).reward_model,
+        reward_model=lambda configs: reward_model(config_of(configs, RewardArguments)),
     ),
     plot="ppo_curves.png",
     samples="samples.md",

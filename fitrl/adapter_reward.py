@@ -1,0 +1,125 @@
+"""A reward model that is an adapter on the policy's own backbone: the rm stage's LoRA and score head,
+loaded as a second adapter beside the policy's, so policy, reference, value and reward share one copy
+of the (8-bit) base.
+
+Scoring switches every LoRA layer to the reward adapter for one no-grad pass and back: the policy's
+adapter, its trainable flags and the frozen base are untouched (the tests hold the policy's log-probs
+bit for bit across a scoring pass). A text is scored as the rm stage trained on it: EOS appended,
+tokenized by the same tokenizer, the head read at the last token that is not padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fitrl.checkpoints import check_adapter_files, load_safetensors
+from fitrl.config import UsageError
+from fitrl.modeling import SCORE_HEAD
+
+REWARD_ADAPTER = "reward"  # its name beside the policy's ("default")
+
+
+def _score_weights(state: dict[str, torch.Tensor], adapter_dir: Path) -> dict[str, torch.Tensor]:
+    """The score head's tensors among an rm adapter's (peft saves `modules_to_save` copies by module path)."""
+    head = {k.rsplit(".", 1)[1]: v for k, v in state.items() if f".{SCORE_HEAD}." in k}
+    if "weight" not in head:
+        raise UsageError(
+            f"{adapter_dir} holds no score head: it is not a reward model of the rm stage; train one with "
+            "scripts/train_reward.py or give reward_model a classifier"
+        )
+    return head
+
+
+@contextlib.contextmanager
+def active_adapter(model: nn.Module, name: str) -> Iterator[None]:
+    """Every LoRA layer computes with adapter `name` alone inside the block, its own adapters again after;
+    nothing's `requires_grad` changes (peft's `set_adapter` would make the active one trainable)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    saved = [m._active_adapter for m in layers]
+    for m in layers:
+        m._active_adapter = [name]
+    try:
+        yield
+    finally:
+        for m, active in zip(layers, saved):
+            m._active_adapter = active
+
+
+class AdapterReward:
+    """Scores texts with the reward adapter and head on `policy`'s backbone (a peft model)."""
+
+    def __init__(self, policy: Any, adapter_dir: str | Path, tokenizer: Any, batch_size: int):
+        from peft import LoraConfig, set_peft_model_state_dict
+
+        adapter_dir = Path(adapter_dir)
+        check_adapter_files(adapter_dir, "reward model")
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        state = load_safetensors(adapter_dir / "adapter_model.safetensors", adapter_dir)
+        head = _score_weights(state, adapter_dir)
+        lora = LoraConfig(
+            r=config["r"],
+            lora_alpha=config["lora_alpha"],
+            target_modules=config["target_modules"],
+            lora_dropout=0.0,  # scoring is evaluation
+            bias=config.get("bias", "none"),
+            use_rslora=config.get("use_rslora", False),
+            task_type="CAUSAL_LM",  # its LoRA only: the head is read here, not wrapped by peft
+        )
+        policy.add_adapter(REWARD_ADAPTER, lora)
+        lora_state = {k: v for k, v in state.items() if f".{SCORE_HEAD}." not in k}
+        result = set_peft_model_state_dict(policy, lora_state, adapter_name=REWARD_ADAPTER)
+        missing = [k for k in result.missing_keys if f".{REWARD_ADAPTER}." in k]
+        if missing or result.unexpected_keys:
+            what = (missing or result.unexpected_keys)[0]
+            raise UsageError(
+                f"reward adapter {adapter_dir} does not fit this model's layers (first: {what}); train the "
+                "reward model on the model PPO starts from"
+            )
+        for name, p in policy.named_parameters():
+            if f".{REWARD_ADAPTER}." in name:
+                p.requires_grad_(False)
+        device = next(p for p in policy.parameters()).device
+        self.head = nn.Linear(head["weight"].shape[1], head["weight"].shape[0], bias="bias" in head).to(device)
+        self.head.load_state_dict(head)
+        self.head.requires_grad_(False)
+        self.policy, self.tokenizer, self.batch_size, self.device = policy, tokenizer, batch_size, device
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        return self.classify(texts)[0]
+
+    @torch.no_grad()
+    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive): the reward of each text, and whether it is above 0."""
+        eos, scores = self.tokenizer.eos_token, []
+        backbone = self.policy.get_base_model().base_model  # the body below the LM head
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with active_adapter(self.policy, REWARD_ADAPTER):
+                for i in range(0, len(texts), self.batch_size):
+                    batch = [t if t.endswith(eos) else t + eos for t in texts[i : i + self.batch_size]]
+                    enc = self.tokenizer(batch, padding=True, padding_side="right", return_tensors="pt")
+                    enc = enc.to(self.device)
+                    hidden = backbone(**enc).last_hidden_state  # (B, T, H)
+                    scores.append(self.head(last_token(hidden, enc.input_ids, self.tokenizer.pad_token_id)))
+        finally:
+            self.policy.train(training)
+        rewards = torch.cat(scores)[:, 0].float().cpu()
+        return rewards, rewards > 0
+
+
+def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T, H) -> (B, H): each row's hidden state at its last token that is not padding, where
+    transformers' sequence classifiers read their head (an EOS that is also the pad token is skipped)."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    last = (positions * (input_ids != pad_token_id)).argmax(-1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].to(torch.float32)

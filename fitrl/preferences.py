@@ -1,0 +1,162 @@
+"""Preference pairs, what the reward-model and DPO stages learn from: a prompt, a chosen and a rejected
+continuation, and optionally a margin (how much better the chosen one is).
+
+From a hub id, local files or `demo://preferences`. Every pair is checked before a model loads: the
+columns exist, no text is empty, chosen and rejected differ, and the pair fits `max_length` tokens.
+A bad row is one line naming the file's row and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fitrl.config import UsageError, check, config_dict, help_field
+from fitrl.data import check_columns, load_dataset_any
+
+
+@dataclass
+class PreferenceArguments:
+    """Where the preference pairs come from and how they are cut."""
+
+    dataset: str = help_field(
+        "Anthropic/hh-rlhf",
+        "Hub id, a local .jsonl/.csv/.parquet file or directory of preference pairs, or demo://preferences.",
+    )
+    dataset_split: str = help_field("train", "Split to train on.")
+    eval_split: str = help_field("test", "Held-out split the stage evaluates on.")
+    prompt_column: str | None = help_field(
+        None, "Column of the prompt both texts continue (empty: chosen and rejected hold the whole texts)."
+    )
+    chosen_column: str = help_field("chosen", "Column of the preferred continuation.")
+    rejected_column: str = help_field("rejected", "Column of the dispreferred continuation.")
+    margin_column: str | None = help_field(
+        None, "Column of a margin per pair (how much better chosen is); the reward loss then asks that much more."
+    )
+    max_samples: int | None = help_field(None, "Train on at most this many pairs (all when empty).")
+    max_eval_samples: int | None = help_field(256, "Evaluate on at most this many held-out pairs (all when empty).")
+    max_length: int = help_field(512, "Longest prompt + continuation in tokens; longer pairs are dropped and counted.")
+    pad_to_max_length: bool = help_field(
+        False,
+        "Pad every batch to max_length: each step then needs the memory the planner plans (the worst case), "
+        "so a run that would run out does so at its first step; off, batches are as long as their longest pair.",
+    )
+
+    def validate(self) -> None:
+        check(self.max_length >= 8, "max_length", "an integer >= 8")
+        check(self.max_samples is None or self.max_samples >= 1, "max_samples", "empty or >= 1")
+        check(self.max_eval_samples is None or self.max_eval_samples >= 1, "max_eval_samples", "empty or >= 1")
+
+    @property
+    def columns(self) -> dict[str, str]:
+        """fitrl's name of each column -> the dataset's."""
+        named = {"prompt": self.prompt_column, "chosen": self.chosen_column, "rejected": self.rejected_column}
+        named["margin"] = self.margin_column
+        return {ours: theirs for ours, theirs in named.items() if theirs}
+
+
+def pad_multiple(args: PreferenceArguments) -> int | None:
+    """trl's `pad_to_multiple_of` for these settings: max_length itself pads every batch to it."""
+    return args.max_length if args.pad_to_max_length else None
+
+
+def _bad_row(source: str, index: int, problem: str, fix: str) -> UsageError:
+    return UsageError(f"dataset {source} row {index + 1}: {problem}; {fix}")
+
+
+def check_pairs(rows: list[dict[str, Any]], source: str) -> None:
+    """Refuse the first pair a reward model or DPO cannot learn from, naming its row."""
+    for i, row in enumerate(rows):
+        for key in [k for k in ("prompt", "chosen", "rejected") if k in row]:
+            value = row[key]
+            if not (isinstance(value, str) and value.strip()):
+                what = "empty" if value is None or isinstance(value, str) else f"not text ({type(value).__name__})"
+                raise _bad_row(source, i, f"'{key}' is {what}", "remove the row or fill it in")
+        if row["chosen"].strip() == row["rejected"].strip():
+            raise _bad_row(source, i, "chosen and rejected are the same text", "a pair must differ; remove the row")
+        if "margin" in row and not isinstance(row["margin"], (int, float)):
+            raise _bad_row(source, i, f"margin {row['margin']!r} is not a number", "give a number or no margin_column")
+
+
+def load_pairs(args: PreferenceArguments, split: str, demo_cache_dir: str, max_samples: int | None) -> Any:
+    """The pairs of `split` as a `datasets.Dataset` with fitrl's column names (prompt, chosen, rejected,
+    margin as present), checked, at most `max_samples` of them."""
+    ds = load_dataset_any(args.dataset, split, demo_cache_dir)
+    fix = "name the columns with prompt_column, chosen_column and rejected_column"
+    check_columns(ds.column_names, list(args.columns.values()), args.dataset, fix)
+    if len(ds) == 0:
+        raise UsageError(f"dataset {args.dataset} split '{split}' has no pairs")
+    ds = ds.select_columns(list(args.columns.values()))
+    ds = ds.rename_columns({theirs: ours for ours, theirs in args.columns.items() if theirs != ours})
+    if max_samples is not None:
+        ds = ds.select(range(min(max_samples, len(ds))))
+    check_pairs(ds.to_list(), args.dataset)
+    return ds
+
+
+def pair_texts(row: dict[str, Any]) -> tuple[str, str]:
+    """The two whole texts of a pair a reward model scores: prompt + chosen, prompt + rejected."""
+    prompt = row.get("prompt", "")
+    return prompt + row["chosen"], prompt + row["rejected"]
+
+
+def drop_long_pairs(ds: Any, tokenizer: Any, max_length: int, source: str) -> tuple[Any, int]:
+    """The pairs whose longer text fits `max_length` tokens, and how many were dropped; none left is an error."""
+
+    def fits(row: dict[str, Any]) -> bool:
+        return max(len(tokenizer(t).input_ids) for t in pair_texts(row)) < max_length  # room for an EOS
+
+    kept = ds.filter(fits)
+    if len(kept) == 0:
+        raise UsageError(f"every pair of {source} is longer than max_length ({max_length} tokens); raise max_length")
+    return kept, len(ds) - len(kept)
+
+
+def train_and_eval_pairs(args: PreferenceArguments, tokenizer: Any, demo_cache_dir: str) -> tuple[Any, Any, int]:
+    """The training and held-out pairs that fit `max_length`, and how many training pairs did not (said once)."""
+    train = load_pairs(args, args.dataset_split, demo_cache_dir, args.max_samples)
+    train, dropped = drop_long_pairs(train, tokenizer, args.max_length, args.dataset)
+    held_out = load_pairs(args, args.eval_split, demo_cache_dir, args.max_eval_samples)
+    held_out, _ = drop_long_pairs(held_out, tokenizer, args.max_length, args.dataset)
+    if dropped:
+        print(f"dropped {dropped} of {dropped + len(train)} training pairs longer than max_length ({args.max_length})")
+    return train, held_out, dropped
+
+
+@dataclass
+class PairInputs:
+    """What a preference stage (rm, dpo) checks and reads before a model loads."""
+
+    model_path: str
+    tokenizer: Any
+    train_pairs: Any
+    eval_pairs: Any
+    dropped: int  # training pairs longer than max_length
+    resume: str | None  # the checkpoint to continue from
+    checkpoints_existed: bool
+
+
+def pair_inputs(configs: Sequence[Any], checkpoint_prefix: str, what: str) -> PairInputs:
+    """A preference stage's preflight: the output directory, the checkpoint to resume, the model's
+    tokenizer and every pair, each a one-line usage error before anything heavy loads."""
+    from fitrl.checkpoints import checkpoint_root, resume_checkpoint
+    from fitrl.demo import DemoArguments
+    from fitrl.modeling import ModelArguments, load_tokenizer, resolve_model_path
+    from fitrl.outputs import check_output_dir
+
+    def of(kind: type) -> Any:
+        return next(c for c in configs if isinstance(c, kind))
+
+    model_args, data_args, demo_args = of(ModelArguments), of(PreferenceArguments), of(DemoArguments)
+    args = next(c for c in configs if hasattr(c, "resume_from_checkpoint"))  # the stage's trainer settings
+    inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    resume = resume_checkpoint(
+        args.resume_from_checkpoint, args.output_dir, checkpoint_prefix, what, config_dict(*configs)
+    )
+    existed = checkpoint_root(args.output_dir).exists()
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
+    train, held_out, dropped = train_and_eval_pairs(data_args, tokenizer, demo_args.demo_cache_dir)
+    return PairInputs(model_path, tokenizer, train, held_out, dropped, str(resume) if resume else None, existed)

@@ -1,0 +1,215 @@
+"""The reward-model stage of RLHF: a LoRA adapter and a scalar score head on the frozen (8-bit) model PPO
+will start from learn, from preference pairs, which of two continuations people prefer.
+
+The Bradley-Terry loss of trl's `RewardTrainer`: -log sigmoid(r(chosen) - r(rejected)), minus a margin
+when the data give one. The score head is trained and saved with the adapter (peft's
+`modules_to_save`), so the reward model is an adapter of a few MB on the policy's own base: PPO can
+score with it without loading a second model.
+
+    # the embedded demo, on a CPU in under a minute
+    accelerate launch scripts/train_reward.py --config configs/demo/rm.yaml
+    # gpt-neox-20b in 8-bit on one 24 GB card, on the merged SFT model
+    accelerate launch scripts/train_reward.py --config configs/neox20b-24gb/rm.yaml
+    # continue a stopped run from its last checkpoint
+    accelerate launch scripts/train_reward.py --config configs/neox20b-24gb/rm.yaml --resume_from_checkpoint latest
+
+Writes to `output_dir`: the adapter with the score head, the tokenizer, `eval.json` (held-out pair
+accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yaml`, `run_info.json`,
+`metrics.jsonl`, `loss.png`. Checkpoints (`save_steps`) go to `<output_dir>.checkpoints/`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fitrl.checkpoints import checkpoint_root
+from fitrl.config import entrypoint
+from fitrl.demo import DemoArguments
+from fitrl.ending import TrainingEnd, finish_training
+from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.hf_trainer import train as train_with_guards
+from fitrl.memory import StepPeak, memory_report
+from fitrl.modeling import (
+    SCORE_HEAD,
+    LoraArguments,
+    ModelArguments,
+    load_causal_lm,
+    lora_config,
+    unloaded_bitsandbytes_hidden,
+)
+from fitrl.outputs import MetricsLog, plot_histograms, staged_output_dir
+from fitrl.planner import planned_peak_mb
+from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
+from fitrl.stages.rm import EVAL_FILE, STAGE, RMArguments
+
+
+@dataclass
+class Run:
+    """What lives for the whole run: configs, inputs, and the trainer once built."""
+
+    model_args: ModelArguments
+    lora_args: LoraArguments
+    data_args: PreferenceArguments
+    args: RMArguments
+    demo_args: DemoArguments
+    inputs: PairInputs
+    out: Path | None = None
+    trainer: Any = None
+    metrics: MetricsLog | None = None
+    planned_peak_mb: float | None = None
+    step_peak: StepPeak = field(default_factory=StepPeak)
+
+    @property
+    def configs(self) -> tuple[Any, ...]:
+        return (self.model_args, self.lora_args, self.data_args, self.args, self.demo_args)
+
+
+def preflight(configs: tuple[Any, ...]) -> Run:
+    """Every input checked before anything heavy loads: the output, the checkpoint, the model, every pair."""
+    return Run(*configs, pair_inputs(configs, STAGE.checkpoint_prefix, "reward model"))
+
+
+def build(run: Run) -> None:
+    """The frozen (8-bit) base with a scalar score head, a fresh LoRA adapter that trains the head too,
+    and trl's `RewardTrainer`."""
+    from peft import get_peft_model
+    from transformers import set_seed
+    from trl import RewardConfig, RewardTrainer
+
+    args = run.args
+    model = load_causal_lm(
+        run.model_args,
+        path=run.inputs.model_path,
+        gradient_checkpointing=args.gradient_checkpointing,
+        pad_token_id=run.inputs.tokenizer.pad_token_id,
+        score_head=True,
+    )
+    # The score head is drawn from the seed, as the LoRA init is: the same config gives the same model.
+    set_seed(args.seed)
+    model.score.reset_parameters()
+    with unloaded_bitsandbytes_hidden():
+        # SEQ_CLS: peft trains and saves the score head beside the adapter (modules_to_save).
+        model = get_peft_model(model, lora_config(run.lora_args, model.config.model_type, task_type="SEQ_CLS"))
+    training_args = RewardConfig(
+        pad_to_multiple_of=pad_multiple(run.data_args),
+        max_length=None,  # `preflight` dropped and counted the long pairs; trl would drop them silently
+        center_rewards_coefficient=args.center_rewards_coefficient,
+        logging_first_step=True,
+        **trainer_arguments(args, run.model_args, output_dir=str(checkpoint_root(args.output_dir))),
+    )
+    run.metrics = start_metrics(run.out, training_args.process_index == 0, run.inputs.resume)
+    run.planned_peak_mb = planned_peak_mb(STAGE, run.configs, run.inputs.model_path, training_args.world_size)
+    run.trainer = RewardTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=run.inputs.train_pairs,
+        processing_class=run.inputs.tokenizer,
+        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out),
+    )
+    # trl casts a quantized model's trainable weights to bf16 (QLoRA's advice for the adapter); the score
+    # head reads the fp32 hidden states of the k-bit-prepared model, and one scalar needs the precision.
+    for name, p in run.trainer.model.named_parameters():
+        if p.requires_grad and SCORE_HEAD in name.split("."):
+            p.data = p.data.float()
+    quiet_progress(run.trainer)
+
+
+@torch.no_grad()
+def score(model: Any, tokenizer: Any, texts: list[str], batch_size: int) -> torch.Tensor:
+    """The reward of each text, scored as trl trains it: EOS appended, the head read at the last token."""
+    model.eval()
+    device = next(p for p in model.parameters()).device
+    rewards = []
+    for i in range(0, len(texts), batch_size):
+        batch = [t if t.endswith(tokenizer.eos_token) else t + tokenizer.eos_token for t in texts[i : i + batch_size]]
+        enc = tokenizer(batch, padding=True, return_tensors="pt").to(device)
+        rewards.append(model(**enc).logits[:, 0].float().cpu())
+    return torch.cat(rewards)
+
+
+def evaluate(run: Run) -> dict[str, Any]:
+    """Held-out pairs: how often the chosen text scores higher, by how much, and every pair's rewards."""
+    model = run.trainer.accelerator.unwrap_model(run.trainer.model)
+    chosen, rejected = zip(*(pair_texts(row) for row in run.inputs.eval_pairs))
+    r_chosen = score(model, run.inputs.tokenizer, list(chosen), run.args.eval_batch_size)
+    r_rejected = score(model, run.inputs.tokenizer, list(rejected), run.args.eval_batch_size)
+    margins = r_chosen - r_rejected
+    return {
+        "split": run.data_args.eval_split,
+        "n_pairs": len(margins),
+        "accuracy": (margins > 0).float().mean().item(),
+        "margin_mean": margins.mean().item(),
+        "reward_chosen_mean": r_chosen.mean().item(),
+        "reward_rejected_mean": r_rejected.mean().item(),
+        "reward_std": torch.cat([r_chosen, r_rejected]).std().item(),
+        "pairs": [{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())],
+    }
+
+
+def finish(run: Run) -> None:
+    """The held-out evaluation; the ranks agree; the adapter with its head, tokenizer, settings, run_info,
+    evaluation and plots are written."""
+    from peft import get_peft_model_state_dict
+
+    trainer = run.trainer
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    report = evaluate(run)
+    losses = [r["loss"] for r in run.metrics.rows if "loss" in r]
+    end = TrainingEnd(
+        stage=STAGE.name,
+        configs=run.configs,
+        model_path=run.inputs.model_path,
+        world_size=trainer.args.world_size,
+        trained=get_peft_model_state_dict(model),
+        save_weights=lambda out: trainer.save_model(str(out)),  # adapter_config.json + LoRA and score head
+        tokenizer=run.inputs.tokenizer,
+        trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        memory=memory_report(run.planned_peak_mb, run.step_peak),
+        metrics=run.metrics.rows,
+        resumed_from=run.inputs.resume,
+        curves=["loss", "accuracy", "margin", "grad_norm"],
+        plot=STAGE.plot,
+        title=f"Reward model: {run.model_args.model_name_or_path} on {run.data_args.dataset}",
+        summary=(
+            f"reward model done: held-out pair accuracy {report['accuracy']:.1%} on {report['n_pairs']} pairs "
+            f"(mean margin {report['margin_mean']:.2f}); adapter written to {run.args.output_dir}"
+        ),
+        details={
+            "train_pairs": len(run.inputs.train_pairs),
+            "dropped_long_pairs": run.inputs.dropped,
+            "eval": {k: v for k, v in report.items() if k != "pairs"},
+            "first_loss": losses[0] if losses else None,
+        },
+    )
+    finish_training(end, run.out, trainer.is_world_process_zero())
+    if trainer.is_world_process_zero():
+        (run.out / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        plot_histograms(
+            {
+                "chosen": [p["chosen"] for p in report["pairs"]],
+                "rejected": [p["rejected"] for p in report["pairs"]],
+            },
+            run.out / "rewards_hist.png",
+            f"reward on held-out pairs ({report['split']})",
+            "texts",
+        )
+
+
+@entrypoint
+def main(argv: list[str] | None = None) -> None:
+    run = preflight(STAGE.parse(argv))
+    with staged_output_dir(run.args.output_dir, run.args.overwrite_output_dir, stage=STAGE.name) as run.out:
+        build(run)
+        train_with_guards(
+            run.trainer, run.metrics, run.inputs.resume, run.args.output_dir, run.inputs.checkpoints_existed
+        )
+        finish(run)
+
+
+if __name__ == "__main__":
+    main()
