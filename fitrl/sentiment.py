@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,8 +70,9 @@ class RewardArguments:
         check(self.reward_batch_size >= 1, "reward_batch_size", ">= 1")
 
 
-def check_reward_label(reward_path: str, positive_label: str) -> None:
-    """Stop before any model loads if the reward model is no trained classifier or has no such label."""
+def check_reward_label(reward_path: str, positive_label: str, reward_kind: str = "logit") -> None:
+    """Stop before any model loads if the reward model is no trained classifier, has no such label, or is a
+    scalar reward model (one output, `num_labels=1`) asked for a score only a classifier has."""
     from transformers import AutoConfig
 
     try:
@@ -83,6 +85,13 @@ def check_reward_label(reward_path: str, positive_label: str) -> None:
             f"reward model {reward_path} is a {architectures[0]}, not a trained sequence classifier "
             "(its classification head would be newly initialized); give a ...ForSequenceClassification model"
         )
+    if config.num_labels == 1:  # a scalar reward model: its one output is the reward, it has no labels
+        if reward_kind != "logit":
+            raise UsageError(
+                f"reward model {reward_path} has one output (a scalar reward model), so reward_kind "
+                f"'{reward_kind}' would be constant; set reward_kind logit (the output itself)"
+            )
+        return
     labels = list(config.id2label.values())
     if positive_label not in labels:
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
@@ -93,7 +102,7 @@ def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_c
     stage's adapter trained on the model the policy starts from (it is read on that model's backbone)."""
     if not args.reward_adapter:
         reward_path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
-        check_reward_label(reward_path, args.positive_label)
+        check_reward_label(reward_path, args.positive_label, args.reward_kind)
         return
     from fitrl.checkpoints import check_adapter_base, check_adapter_files
 
@@ -117,7 +126,7 @@ class SentimentReward:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
-        check_reward_label(path, args.positive_label)
+        check_reward_label(path, args.positive_label, args.reward_kind)
         with loading_errors("reward model", path):
             model, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
         if loading["missing_keys"]:
@@ -129,7 +138,16 @@ class SentimentReward:
         self.model = model.to(device).eval()
         with loading_errors("reward model", path):
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        self.label = self.model.config.label2id[args.positive_label]
+        if self.tokenizer.pad_token is None:  # common in decoder reward models: batches need one
+            if self.tokenizer.eos_token is None:
+                raise UsageError(f"reward model {path}: its tokenizer has neither a pad nor an EOS token; add one")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+            print(f"note: reward model {path} has no pad token; padding with its EOS token", file=sys.stderr)
+        if self.model.config.pad_token_id is None:  # a decoder classifier reads its head at the last non-pad token
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        # A scalar reward model (one output) is its own reward; a classifier's is its positive label's.
+        self.scalar = self.model.config.num_labels == 1
+        self.label = 0 if self.scalar else self.model.config.label2id[args.positive_label]
         self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
@@ -137,12 +155,13 @@ class SentimentReward:
 
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores, called positive): the reward of each text, and whether the positive label wins."""
+        """(scores, called positive): the reward of each text, and whether the positive label wins (a scalar
+        reward model: whether its output is above 0)."""
         scores, positive = [], []
         for i in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[i : i + self.batch_size], padding=True, truncation=True, return_tensors="pt")
             logits = self.model(**enc.to(self.device)).logits.float()
-            positive.append(logits.argmax(-1) == self.label)
+            positive.append(logits[:, 0] > 0 if self.scalar else logits.argmax(-1) == self.label)
             if self.kind == "logit":
                 scores.append(logits[:, self.label])
             elif self.kind == "probability":

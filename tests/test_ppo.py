@@ -171,6 +171,31 @@ def test_a_reward_classifier_without_its_head_weights_is_refused(
 
 
 @pytest.mark.slow
+def test_a_scalar_reward_model_without_a_pad_token_scores_and_a_label_score_is_refused(
+    tmp_path: Path, demo_cache: Path, demo_root: Path
+) -> None:
+    """Reward models as found in the wild: one output (`num_labels=1`) and a decoder tokenizer with no pad
+    token. It scores (padding with EOS, said once); asking it for a softmax or a margin, which would be
+    constant, is one line."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    scalar = tmp_path / "scalar-rm"
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(demo_root / "lm", num_labels=1).save_pretrained(scalar)
+    tokenizer = AutoTokenizer.from_pretrained(demo_root / "lm")
+    assert tokenizer.pad_token is None
+    tokenizer.save_pretrained(scalar)
+    refused = _ppo(tmp_path / "never", demo_cache, "--reward_model", scalar, "--reward_kind", "probability")
+    assert refused.returncode == 2 and "a scalar reward model" in error_line(refused)
+    out = tmp_path / "run"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "1", "--reward_model", scalar)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("has no pad token; padding with its EOS token") == 1
+    row = read_jsonl(out / "metrics.jsonl")[0]
+    assert row["env/reward_std"] > 0  # the rewards differ from text to text: a signal, not a constant
+
+
+@pytest.mark.slow
 def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Path, demo_cache: Path) -> None:
     """`report_to: tensorboard`, PPO's default and the 20B profile's setting, died at start-up for want of
     a logging directory. Its logs go into the staged output, so they end up in `<output_dir>/runs`."""
