@@ -83,7 +83,7 @@ def _samples(stage: Stage, out: Path, limit: int = 40) -> str:
 
 def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) -> list[str]:
     """One evaluation of several policies (PPO's, DPO's) as a table, a row per policy: its figures, and
-    the training stage's wall time and measured peak memory. Empty unless two or more ran."""
+    the training stage's wall time and planned and measured peaks. Empty unless two or more ran."""
     rows = []
     for stage in stages:
         out = run_dir / stage.output_dir
