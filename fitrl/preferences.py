@@ -144,12 +144,10 @@ def pair_inputs(configs: Sequence[Any], checkpoint_prefix: str, what: str) -> Pa
     from fitrl.demo import DemoArguments
     from fitrl.modeling import ModelArguments, load_tokenizer, resolve_model_path
     from fitrl.outputs import check_output_dir
+    from fitrl.stages.base import TrainerSettings, config_of  # imported here: the stage modules import this one
 
-    def of(kind: type) -> Any:
-        return next(c for c in configs if isinstance(c, kind))
-
-    model_args, data_args, demo_args = of(ModelArguments), of(PreferenceArguments), of(DemoArguments)
-    args = next(c for c in configs if hasattr(c, "resume_from_checkpoint"))  # the stage's trainer settings
+    model_args, data_args = config_of(configs, ModelArguments), config_of(configs, PreferenceArguments)
+    demo_args, args = config_of(configs, DemoArguments), config_of(configs, TrainerSettings)
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     resume = resume_checkpoint(

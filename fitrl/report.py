@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from fitrl.config import load_run_info
-from fitrl.stages import STAGES, Stage
+from fitrl.stages import STAGES, Stage, get
 
 TIMINGS = "logs/timings.json"
 
@@ -91,7 +91,7 @@ def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) 
         if not cells:
             continue
         trained_by = stage.reads[1] if stage.reads else stage.name
-        trained = run_dir / next((s.output_dir for s in STAGES if s.name == trained_by), trained_by)
+        trained = run_dir / get(trained_by).output_dir
         memory = (load_run_info(trained).get("memory") or {}) if trained.is_dir() else {}
         planned, measured = memory.get("planned_peak_mb"), memory.get("measured_peak_mb")
         cells["training time"] = _minutes(timings[trained_by]) if trained_by in timings else "?"
