@@ -5,7 +5,7 @@
     python bench/memory_table.py --models Qwen/Qwen2.5-0.5B --stages sft   # a subset
 
 Every number is planned (`fitrl.planner`: exact static bytes, depth-extrapolated meta traces), not
-measured; rows measured on a GPU are added when a GPU run gives them (`bench/gpu_memory.py`).
+measured; rows measured on a GPU are added when a GPU run gives them (`bench/gpu_check.py`).
 Shapes: SFT packs 512-token blocks, micro-batch 1, checkpointing; PPO uses the blog's (256 prompts
 per step, queries up to 8 and responses up to 16 tokens, mini-batch 16, no-grad batch 16); GRPO the
 GSM8K recipe's (prompts up to 256 tokens, 786 completion tokens, 2 completions per pass, checkpointing,

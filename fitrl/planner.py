@@ -296,7 +296,7 @@ def format_bytes(n: float) -> str:
 
 def table(p: Plan) -> str:
     """The plan as a few readable lines: components, the phases, the verdict."""
-    lines = [f"Memory plan: {p.stage} on {p.model or 'the model'} ({_describe(p.workload)})"]
+    lines = [f"Memory plan: {p.stage} on {p.model or 'the model'} ({describe(p.workload)})"]
     width = max(len(k) for k in p.components) + 2
     for name, n in p.components.items():
         if n:
@@ -333,7 +333,7 @@ def _flag(value: Any) -> str:
     return str(value)
 
 
-def _describe(w: Workload) -> str:
+def describe(w: Workload) -> str:
     base = f"{w.quantization} base" if w.quantized else f"{w.dtype} base"
     tune = f"LoRA r={w.lora_r} on {','.join(w.lora_targets)}" if w.finetuning == "lora" else "full fine-tuning"
     ckpt = ", checkpointing" if w.gradient_checkpointing else ""

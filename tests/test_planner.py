@@ -311,52 +311,6 @@ def test_full_finetuning_of_a_quantized_base_is_refused() -> None:
         planner.plan_stage(stage, configs, config, finetuning="full")
 
 
-def test_gpu_memory_bench_runs_on_cpu_with_tiny_models(tmp_path: Path) -> None:
-    """The GPU check is ready before a GPU is: the same script, tiny models, measured vs planned per row."""
-    import subprocess
-    import sys
-
-    out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(CONFIGS.parent / "bench" / "gpu_memory.py"),
-            "--tiny",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["stage"] for r in rows} == {"sft", "ppo", "grpo"}
-    for row in rows:
-        assert "error" not in row, row
-        # Real 8-bit layers against the plan's stand-ins, phase by phase. The 8-bit PPO row's training
-        # step was 16% over its plan until the stand-in kept each 8-bit layer's input, as bitsandbytes
-        # does past gradient checkpointing. On this CPU fitrl's own 8-bit product runs, which keeps
-        # none: a plan that kept them would be 22% over; the CPU plan keeps none and agrees within 3%.
-        for phase, measured in row["measured_phase_mb"].items():
-            assert abs(row["planned_phase_mb"][phase] / measured - 1) < 0.03, (row["stage"], phase, row)
-
-
-def test_gpu_memory_bench_refuses_an_unknown_stage(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
-    out = tmp_path / "rows.json"
-    script = str(CONFIGS.parent / "bench" / "gpu_memory.py")
-    cmd = [sys.executable, script, "--tiny", "--device", "cpu", "--stages", "sft,pop", "--out", str(out)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert "unknown stage(s) pop in --stages; choose from sft,ppo,grpo" in result.stderr
-    assert not out.exists()
-
-
 def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
     import importlib.util
 
@@ -376,6 +330,7 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
     [
         (["--gpu", "NVIDIA GeForce RTX 4090"], "fits in 23.64 GiB"),
         (["--gpu", "t4", "--reserve_gb", "0.5"], "fits in 14.06 GiB"),
+        (["--gpu", "NVIDIA GeForce RTX 4060 Ti 16GB"], "fits in 15.55 GiB"),
         (["--gpu", "RTX 5090"], "error: unknown card 'RTX 5090' (known: RTX 4090"),
         (["--gpu", "T4", "--gpu_memory_gb", "16"], "error: give --gpu or --gpu_memory_gb, not both"),
         (["--gpu", "T4", "--reserve_gb", "15"], "error: --reserve_gb 15.0 leaves nothing"),
