@@ -7,6 +7,7 @@
     bash pipeline.sh --launcher ddp_2gpu               # configs/accelerate/ddp_2gpu.yaml (or any command)
     bash pipeline.sh --run_dir runs/try2 --force       # another run directory; re-run every stage
     bash pipeline.sh --dry_run                         # print the commands, run nothing
+    bash pipeline.sh --check --profile neox20b-24gb    # what would stop the run, in seconds (fitrl.doctor)
 
 Each stage's config is `configs/<profile>/<stage>.yaml`; the pipeline points every stage's output into
 the run directory (default `outputs/<profile>`) and every input at the stage before it there, so
@@ -34,10 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
-from fitrl.stages import NAMES, STAGES, Stage, get
+from fitrl.stages import NAMES, STAGES, Stage, get, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
-NOT_RESULTS = {"output_dir", "overwrite_output_dir", "resume_from_checkpoint", "demo_cache_dir", "report_to"}
+NOT_RESULTS = {
+    "output_dir",
+    "overwrite_output_dir",
+    "resume_from_checkpoint",
+    "demo_cache_dir",
+    "report_to",
+    "strict_guards",
+}
 DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
 LOG_TAIL = 15
 RUN_MARKER = ".fitrl-run.json"  # a run directory's: later runs may write into it
@@ -73,6 +81,9 @@ def arguments() -> argparse.ArgumentParser:
     )
     parser.add_argument("--force", action="store_true", default=env.get("FORCE") == "1", help="re-run every stage")
     parser.add_argument("--dry_run", action="store_true", default=env.get("DRY_RUN") == "1", help="print, run nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="run nothing: say what would stop the profile's run (fitrl.doctor)"
+    )
     return parser
 
 
@@ -84,6 +95,7 @@ class Request:
     launch: list[str]
     force: bool
     dry_run: bool
+    check: bool = False
     ran: list[str] = field(default_factory=list)
 
 
@@ -112,6 +124,7 @@ def parse(argv: list[str]) -> Request:
         launcher(args.launcher),
         args.force,
         args.dry_run,
+        args.check,
     )
 
 
@@ -155,11 +168,7 @@ def stage_output(req: Request, stage: Stage) -> Path:
 
 def command(req: Request, stage: Stage) -> list[str]:
     """The stage's command line: its config, its output in the run directory, its input from the stage before."""
-    args = ["--config", f"configs/{req.profile}/{stage.name}.yaml", "--output_dir", str(stage_output(req, stage))]
-    if stage.reads is not None:
-        key, producer = stage.reads
-        if Path(f"configs/{req.profile}/{producer}.yaml").is_file():  # else the config names its own input
-            args += [f"--{key}", str(stage_output(req, get(producer)))]
+    args = stage_args(stage, Path("configs") / req.profile, req.run_dir)
     runner = req.launch if stage.training else ["python"]
     return [*runner, f"scripts/{stage.script}", *args]
 
@@ -318,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if req.check:
+        from fitrl import doctor
+
+        raise SystemExit(doctor.run(Path("configs") / req.profile, req.run_dir))
     from fitrl import report
 
     timings = report.read_timings(req.run_dir)

@@ -7,6 +7,8 @@ its place in the pipeline, its memory workload and suggestions, its report figur
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fitrl.config import UsageError
 from fitrl.stages import dpo, eval_dpo, eval_gsm8k, eval_sentiment, grpo, merge, ppo, rm, sft
 from fitrl.stages.base import Stage, StageMemory
@@ -34,4 +36,15 @@ def get(name: str) -> Stage:
     raise UsageError(f"unknown stage '{name}'; known: {' '.join(NAMES)}")
 
 
-__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get"]
+def stage_args(stage: Stage, profile: Path, run_dir: Path) -> list[str]:
+    """A stage's arguments in a run of `profile` (a folder of `<stage>.yaml`): its config, its output
+    in `run_dir`, and its input from the stage before it there when the profile has that stage."""
+    args = ["--config", str(profile / f"{stage.name}.yaml"), "--output_dir", str(run_dir / stage.output_dir)]
+    if stage.reads is not None:
+        key, producer = stage.reads
+        if (profile / f"{producer}.yaml").is_file():  # else the config names its own input
+            args += [f"--{key}", str(run_dir / get(producer).output_dir)]
+    return args
+
+
+__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get", "stage_args"]
