@@ -4,8 +4,8 @@ samples, and prints one summary line.
 
 `run_info.json` holds, for every training stage: `stage`, `resolved_model_path`, `world_size`,
 `resumed_from`, `trainable_parameters`, `rank_weight_digests` (one per rank: equal, or the run
-fails), `memory` (planned and measured peaks, `fitrl.memory.memory_report`), then the stage's own
-figures (`details`).
+fails), `memory` (planned and measured peaks, `fitrl.memory.memory_report`), `health` (each guard's
+verdict, `fitrl.guards`), then the stage's own figures (`details`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from fitrl.config import RunFailed, save_run_config, save_run_info
 from fitrl.distributed import check_ranks_in_sync
+from fitrl.guards import Health
 from fitrl.outputs import markdown_cell, plot_curves
 
 
@@ -42,6 +43,7 @@ class TrainingEnd:
     title: str
     summary: str  # one line for the console
     resumed_from: str | None = None
+    health: Health = field(default_factory=Health)  # what the guards saw
     details: dict[str, Any] = field(default_factory=dict)  # the stage's own figures for run_info.json
     samples: tuple[str, str] | None = None  # (file name, markdown)
 
@@ -69,6 +71,7 @@ def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
         "trainable_parameters": end.trainable_parameters,
         "rank_weight_digests": digests,
         "memory": end.memory,
+        "health": end.health.to_json(),
         **end.details,
     }
     save_run_info(out, info)

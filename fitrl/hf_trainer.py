@@ -3,8 +3,9 @@
 They share most of their training settings (`fitrl.stages.base.TrainerSettings`); `trainer_arguments` maps them onto the
 `TrainingArguments` fields in one place, with one rule for mixed precision (`trainer_precision`).
 The callbacks hold fitrl's promises on top of trl's loop: checkpoints that are complete or skipped
-(`checkpoint_extras`), a stop at the first non-finite value (`finite_guard`), a checkpoint and a
-clean stop on SIGTERM (`train`).
+(`checkpoint_extras`), a stop at the first non-finite value (`finite_guard`), the guards against a
+run that trains silently wrong (`guard_callback`, `fitrl.guards`), a checkpoint and a clean stop on
+SIGTERM (`train`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from fitrl import signals
 from fitrl.checkpoints import COMPLETE_FILE, check_checkpoint_files, checkpoint_root, stopped
 from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
+from fitrl.guards import GradientGuard, Health, check_reward_signal, check_trainable
 from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
 from fitrl.outputs import METRICS_NAME, MetricsLog, metrics_callback, read_jsonl, write_jsonl
@@ -71,17 +73,22 @@ def trainer_callbacks(
     step_peak: StepPeak,
     output_dir: str,
     out: Path,
+    health: Health,
     extra: Callable[[], dict[str, Any]] | None = None,
+    reward_std_key: str | None = None,
 ) -> list[Any]:
     """What every trl stage adds to the Trainer: its metrics log (with `extra()` per row), complete
-    checkpoints, the stop at a non-finite value and the step-peak tracker. The tensorboard logs go into
+    checkpoints, the stop at a non-finite value, the guards (`health`; `reward_std_key`: the logged
+    reward spread a policy stage learns from) and the step-peak tracker. The tensorboard logs go into
     the staged output `out` (`<output_dir>/runs`, as PPO's), not beside the checkpoints; `train` unsets
     that again."""
     os.environ[TENSORBOARD_DIR_ENV] = str(out / "runs")
+    health.strict = any(getattr(c, "strict_guards", False) for c in configs)
     return [
         metrics_callback(metrics, extra=extra),
         checkpoint_extras(configs, metrics),
         finite_guard(output_dir, fix="lower learning_rate or max_grad_norm"),
+        guard_callback(health, reward_std_key),
         step_peak_callback(step_peak),
     ]
 
@@ -156,6 +163,33 @@ def finite_guard(output_dir: str | Path, fix: str) -> Any:
                     raise fail(f"{key} ({value})", state)
 
     return _Finite()
+
+
+def guard_callback(health: Health, reward_std_key: str | None = None) -> Any:
+    """`fitrl.guards` on trl's loop: something to train before the first step, gradients before the
+    first optimizer steps of this process, and the first logged reward's spread (`reward_std_key`)."""
+    from transformers import TrainerCallback
+
+    class _Guards(TrainerCallback):
+        gradients: GradientGuard | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            self.gradients = GradientGuard(health, sharded=bool(args.deepspeed or args.fsdp))
+            if model is not None:
+                check_trainable(model, health)
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if model is not None and self.gradients is not None:
+                self.gradients(model)
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            logs = logs or {}
+            if reward_std_key in logs and "reward_signal" not in health.seen:
+                rewards = [logs.get("reward", 0.0)]
+                std = float(logs[reward_std_key])
+                check_reward_signal(rewards, health, state.global_step, std=std, where="logged step")
+
+    return _Guards()
 
 
 def stop_callback(request: StopRequest) -> Any:

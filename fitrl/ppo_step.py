@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,10 +233,17 @@ def micro_step_loss(model: nn.Module, mb: Experience, args: PPOArguments) -> tup
     return loss, MicroStats(*(s.detach() for s in stats))
 
 
-def ppo_update(model: nn.Module, optimizer: Any, accelerator: Any, exp: Experience, args: PPOArguments) -> UpdateStats:
+def ppo_update(
+    model: nn.Module,
+    optimizer: Any,
+    accelerator: Any,
+    exp: Experience,
+    args: PPOArguments,
+    before_step: Callable[[], None] | None = None,
+) -> UpdateStats:
     """`ppo_epochs` passes of shuffled mini-batches of accumulated micro-batches; with `early_stopping`,
     the passes end once an epoch's policy KL (averaged over ranks, so all stop together) exceeds
-    1.5 x `target_policy_kl`.
+    1.5 x `target_policy_kl`. `before_step()` runs before each optimizer step, the gradients in place.
 
     Statistics stay on the device and are read once at the end, so the loop never waits on the host.
     """
@@ -254,6 +261,8 @@ def ppo_update(model: nn.Module, optimizer: Any, accelerator: Any, exp: Experien
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if accelerator.sync_gradients and before_step is not None:
+                    before_step()
                 optimizer.step()
                 optimizer.zero_grad()
             stats.append(micro_stats)

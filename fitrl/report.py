@@ -32,11 +32,18 @@ def _memory(out: Path) -> str:
     return "peak memory " + ", ".join(parts)
 
 
+def _health(out: Path) -> str:
+    """What the guards saw (`fitrl.guards`): each one that fired with its step and numbers, or that all passed."""
+    health = load_run_info(out).get("health") or {}
+    fired = [f"guard {k} fired at step {v.get('step', '?')}: {v['saw']}" for k, v in health.items() if not v["passed"]]
+    if fired:
+        return "; ".join(fired)
+    return f"guards passed: {', '.join(health)}" if health else ""
+
+
 def figures(stage: Stage, out: Path) -> list[str]:
-    """The stage's key figures, read from its output directory."""
-    found = stage.figures(out)
-    memory = _memory(out)
-    return [*found, memory] if memory else found
+    """The stage's key figures, read from its output directory, then its memory and health."""
+    return [line for line in [*stage.figures(out), _memory(out), _health(out)] if line]
 
 
 def one_line(stage: Stage, out: Path) -> str:

@@ -36,6 +36,7 @@ from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
+from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
@@ -103,6 +104,7 @@ class Run:
     shown: Any = None  # the problems whose greedy completions are shown before and after
     samples_before: list[str] = field(default_factory=list)
     step_peak: StepPeak = field(default_factory=StepPeak)
+    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:
@@ -177,7 +179,9 @@ def build(run: Run) -> None:
             run.step_peak,
             args.output_dir,
             run.out,
+            run.health,
             extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)},
+            reward_std_key="reward_std",
         ),
     )
     keep_adapter_in_float32(run.trainer, run.model_args)
@@ -219,6 +223,7 @@ def finish(run: Run) -> None:
         title=f"GRPO: {run.model_args.model_name_or_path}",
         summary=f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k}) in {args.output_dir}",
         resumed_from=run.resume,
+        health=run.health,
         details=run.details,
         samples=(STAGE.samples, samples_markdown("Greedy completions before and after GRPO", {"samples": rows})),
     )

@@ -49,6 +49,7 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
+from fitrl.guards import GradientGuard, Health, check_reference, check_reward_signal, check_trainable
 from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
 from fitrl.modeling import (
     LoraArguments,
@@ -102,6 +103,8 @@ class Run:
     planned_peak_mb: float | None = None
     step_peak: StepPeak = dataclasses.field(default_factory=StepPeak)
     warned_negative_kl: bool = False
+    health: Health = dataclasses.field(default_factory=Health)  # what the guards saw
+    gradients: GradientGuard | None = None
 
     @property
     def device(self) -> torch.device:
@@ -256,11 +259,15 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 
 def prepare(run: Run) -> None:
-    """Wrap for DDP (where launched so), restore the optimizer state, start the trackers."""
+    """Wrap for DDP (where launched so), restore the optimizer state, check there is something to
+    train, start the trackers."""
     run.model, run.optimizer = run.accelerator.prepare(run.unwrapped, run.optimizer)
     if run.resume is not None:
         run.optimizer.load_state_dict(load_state(run.resume / "optimizer.pt", run.device))
     run.unwrapped = run.accelerator.unwrap_model(run.model)
+    run.health.strict = run.args.strict_guards
+    check_trainable(run.unwrapped, run.health)
+    run.gradients = GradientGuard(run.health, sharded=run.accelerator.distributed_type in ("DEEPSPEED", "FSDP"))
     if run.args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
         flat = config_dict(*run.configs)
         hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
@@ -387,6 +394,14 @@ def keep_samples(run: Run, step: int, q_texts: list[str], r_texts: list[str], ra
             ]
 
 
+def first_step_guards(run: Run, exp: Experience, raw_scores: torch.Tensor) -> None:
+    """Before any update the policy is its reference (KL ~0), and the reward of the batch is not constant."""
+    mask = exp.response_mask
+    kl = run.accelerator.reduce((exp.kl * mask).sum() / mask.sum().clamp(min=1), "mean").item()
+    check_reference(kl, run.health, 1)
+    check_reward_signal(run.accelerator.gather(raw_scores).cpu(), run.health, 1)
+
+
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One PPO step, phase by phase, timed."""
     torch.manual_seed(step_seed(run.args.seed, step, run.accelerator.process_index))
@@ -401,8 +416,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     exp, non_score = make_experience(
         run.unwrapped, rollouts, scores, run.kl_ctl.value, run.args, run.tokenizer.pad_token_id
     )
+    if step == 0:
+        first_step_guards(run, exp, raw_scores)
     timings["time/forward"], t0 = time.perf_counter() - t0, time.perf_counter()
-    stats = ppo_update(run.model, run.optimizer, run.accelerator, exp, run.args)
+    stats = ppo_update(run.model, run.optimizer, run.accelerator, exp, run.args, lambda: run.gradients(run.unwrapped))
     if not stats.finite:
         raise stopped("non-finite loss", step + 1, run.args)
     timings["time/optimise"] = time.perf_counter() - t0
@@ -459,6 +476,7 @@ def finish(run: Run) -> None:
         title=f"PPO on {run.model_args.model_name_or_path}",
         summary=f"PPO done: reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(rewards)} steps",
         resumed_from=str(run.resume) if run.resume else None,
+        health=run.health,
         details={
             "n_prompts": len(run.queries),
             "rank_first_prompts": rank_prompts,

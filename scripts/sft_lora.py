@@ -30,6 +30,7 @@ from fitrl.config import config_dict, entrypoint
 from fitrl.data import load_text_dataset
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
+from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report
@@ -57,6 +58,7 @@ class Run:
     metrics: MetricsLog | None = None
     planned_peak_mb: float | None = None
     step_peak: StepPeak = field(default_factory=StepPeak)
+    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:
@@ -116,7 +118,7 @@ def build(run: Run) -> None:
         args=training_args,
         train_dataset=run.dataset,
         processing_class=run.tokenizer,
-        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out),
+        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out, run.health),
     )
     quiet_progress(run.trainer)
 
@@ -140,6 +142,7 @@ def finish(run: Run) -> None:
         memory=memory_report(run.planned_peak_mb, run.step_peak),
         metrics=run.metrics.rows,
         resumed_from=run.resume,
+        health=run.health,
         curves=["loss", "learning_rate", "grad_norm"],
         plot=STAGE.plot,
         title=f"SFT: {run.model_args.model_name_or_path} on {run.args.dataset}",

@@ -31,6 +31,7 @@ from fitrl.checkpoints import checkpoint_root
 from fitrl.config import entrypoint
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
+from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report
@@ -63,6 +64,7 @@ class Run:
     metrics: MetricsLog | None = None
     planned_peak_mb: float | None = None
     step_peak: StepPeak = field(default_factory=StepPeak)
+    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:
@@ -109,7 +111,7 @@ def build(run: Run) -> None:
         args=training_args,
         train_dataset=run.inputs.train_pairs,
         processing_class=run.inputs.tokenizer,
-        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out),
+        callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out, run.health),
     )
     # trl casts a quantized model's trainable weights to bf16 (QLoRA's advice for the adapter); the score
     # head reads the fp32 hidden states of the k-bit-prepared model, and one scalar needs the precision.
@@ -172,6 +174,7 @@ def finish(run: Run) -> None:
         memory=memory_report(run.planned_peak_mb, run.step_peak),
         metrics=run.metrics.rows,
         resumed_from=run.inputs.resume,
+        health=run.health,
         curves=["loss", "accuracy", "margin", "grad_norm"],
         plot=STAGE.plot,
         title=f"Reward model: {run.model_args.model_name_or_path} on {run.data_args.dataset}",

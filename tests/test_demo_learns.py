@@ -109,6 +109,19 @@ def test_dpo_turns_responses_positive_on_ppos_prompts_and_the_report_sets_them_s
     assert "## side by side" in report and "| ppo (eval) |" in report and "| dpo (eval_dpo) |" in report
 
 
+def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_run: Path) -> None:
+    """A clean run shows every guard passed, per training stage, in run_info.json and the report."""
+    from fitrl import stages
+
+    expected = {"sft": 2, "rm": 2, "ppo": 4, "dpo": 2, "grpo": 3}  # PPO and GRPO: the reward's too
+    report = (demo_run / "report.md").read_text()
+    for name, count in expected.items():
+        health = load_run_info(demo_run / stages.get(name).output_dir)["health"]
+        assert len(health) == count and all(v["passed"] for v in health.values()), (name, health)
+        assert f"guards passed: {', '.join(health)}" in report
+    assert "fired at step" not in report
+
+
 @pytest.mark.slow
 def test_ppo_writes_its_outputs_and_leaves_the_base_untouched(demo_run: Path) -> None:
     ppo = demo_run / "ppo"

@@ -195,6 +195,39 @@ def test_a_scalar_reward_model_without_a_pad_token_scores_and_a_label_score_is_r
     assert row["env/reward_std"] > 0  # the rewards differ from text to text: a signal, not a constant
 
 
+def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
+    tmp_path: Path, demo_cache: Path, demo_root: Path
+) -> None:
+    """A reward model whose score head reads nothing gives every text the same reward: PPO gets no
+    signal. The guard says so once, at step 1, and the run's health records it beside the guards that
+    passed; with `--strict_guards true` the run stops there and writes nothing."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    constant = tmp_path / "constant-rm"
+    model = AutoModelForSequenceClassification.from_pretrained(demo_root / "lm", num_labels=1)
+    torch.nn.init.zeros_(model.score.weight)
+    model.save_pretrained(constant)
+    AutoTokenizer.from_pretrained(demo_root / "lm").save_pretrained(constant)
+    out = tmp_path / "run"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--reward_model", constant)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("guard 'reward_signal' at step 1: the reward is constant on the first batch") == 1
+    health = load_run_info(out)["health"]
+    assert {k: v["passed"] for k, v in health.items()} == {
+        "trainable": True,
+        "reference": True,  # the policy is its reference before any update: KL ~0
+        "reward_signal": False,
+        "gradients": True,
+    }, health
+    stopped = _ppo(tmp_path / "strict", demo_cache, *SMALL, "--steps", "2", "--reward_model", constant,
+                   "--strict_guards", "true")  # fmt: skip
+    assert stopped.returncode == 1
+    assert "guard 'reward_signal' at step 1" in error_line(stopped) and "strict_guards stopped the run" in error_line(
+        stopped
+    )
+    assert not (tmp_path / "strict").exists()
+
+
 @pytest.mark.slow
 def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Path, demo_cache: Path) -> None:
     """`report_to: tensorboard`, PPO's default and the 20B profile's setting, died at start-up for want of

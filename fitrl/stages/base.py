@@ -22,6 +22,11 @@ from fitrl.outputs import METRICS_NAME, read_jsonl
 from fitrl.workload import Workload
 
 T = TypeVar("T")
+# The one help text of every training stage's `strict_guards`.
+STRICT_GUARDS_HELP = (
+    "Stop the run (exit 1) when a guard fires instead of warning once (fitrl.guards: tensors without "
+    "gradients, a constant reward, a policy unlike its reference at step 0)."
+)
 Configs = tuple[Any, ...]  # a stage's config dataclasses, filled, in the order of its `config_types`
 Moves = list[tuple[str, dict[str, Any]]]  # named changes of settings, in the stage's own flag names
 
@@ -108,6 +113,7 @@ class TrainerSettings:
     resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
     report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
     seed: int = help_field(42, "Random seed (LoRA init, data order, dropout).")
+    strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
 
     def validate(self) -> None:
         check_tracker(self.report_to)

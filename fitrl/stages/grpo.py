@@ -15,6 +15,7 @@ from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.stages.base import (
+    STRICT_GUARDS_HELP,
     Configs,
     Moves,
     Stage,
@@ -75,6 +76,7 @@ class GRPOArguments:
     num_samples_to_show: int = help_field(4, "Questions whose greedy completions are shown before and after.")
     report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
     seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
+    strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
 
     def validate(self) -> None:
         check_tracker(self.report_to)

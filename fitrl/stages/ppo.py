@@ -16,6 +16,7 @@ from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.rollout import generation_batch
 from fitrl.sentiment import PromptArguments, RewardArguments
 from fitrl.stages.base import (
+    STRICT_GUARDS_HELP,
     Configs,
     Moves,
     Stage,
@@ -79,6 +80,7 @@ class PPOArguments:
     report_to: Literal["none", "tensorboard", "wandb"] = help_field("tensorboard", "Tracker besides metrics.jsonl.")
     log_samples: int = help_field(4, "Query/response/reward samples kept from the first and last steps.")
     seed: int = help_field(0, "Random seed (prompts, lengths, sampling, shuffling).")
+    strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
 
     def validate(self) -> None:
         check_tracker(self.report_to)

@@ -1,0 +1,141 @@
+"""The guards against a run that trains silently wrong (`fitrl.guards`), each built to fire on a tiny
+model, and their wiring into trl's loop (`fitrl.hf_trainer.guard_callback`). PPO's, on the demo, are
+in tests/test_ppo.py; a clean demo run's, every guard passed, in tests/test_demo_learns.py."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from fitrl.config import RunFailed
+from fitrl.guards import (
+    STEPS_WITHOUT_SIGNAL,
+    GradientGuard,
+    Health,
+    check_reference,
+    check_reward_signal,
+    check_trainable,
+)
+from fitrl.hf_trainer import guard_callback
+
+
+class TwoBranches(nn.Module):
+    """`used` feeds the loss; `unused` is trainable but never reaches it (a LoRA target off the path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).pow(2).mean()
+
+
+def _backward(model: nn.Module) -> None:
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(3, 4)).backward()
+
+
+def test_a_frozen_model_stops_before_the_first_step() -> None:
+    """trl#6700: a frozen adapter trains nothing while its curves look normal."""
+    model = TwoBranches().requires_grad_(False)
+    with pytest.raises(RunFailed, match="nothing to train: the model has 0 trainable parameters"):
+        check_trainable(model, Health())
+    health = Health()
+    assert check_trainable(TwoBranches(), health) == 40
+    assert health.to_json() == {"trainable": {"passed": True, "saw": "40 trainable parameters"}}
+
+
+def test_a_tensor_off_the_loss_path_is_named_after_the_first_optimizer_step() -> None:
+    model, health = TwoBranches(), Health()
+    guard = GradientGuard(health)
+    _backward(model)
+    guard(model)  # some gradient: LoRA's A might still read zero, the next step decides
+    assert health.seen == {}
+    with pytest.warns(UserWarning, match=r"guard 'gradients' at step 2: 2 of 4 trainable tensors received no gradient"):
+        guard(model)
+    assert health.seen["gradients"] == {
+        "passed": False,
+        "saw": "2 of 4 trainable tensors received no gradient after the first optimizer step that moved the "
+        "others (first: unused.weight): they do not train",
+        "step": 2,
+    }
+    with warnings.catch_warnings():  # once: the verdict stays, nothing more is said
+        warnings.simplefilter("error")
+        guard(model)
+
+
+def test_no_gradient_at_all_fires_at_the_first_step_and_strict_guards_stop() -> None:
+    model = TwoBranches()
+    with pytest.raises(RunFailed, match="guard 'gradients' at step 1: none of the 4 trainable tensors"):
+        GradientGuard(Health(strict=True))(model)  # a loss detached from every trainable tensor: no .grad
+
+
+def test_batches_without_signal_wait_and_then_fire() -> None:
+    """GRPO's groups of equal rewards give an all-zero gradient: not broken wiring, until it lasts."""
+    model, health = TwoBranches(), Health()
+    guard = GradientGuard(health)
+    _backward(model)
+    model.zero_grad(set_to_none=False)  # zeros, not None
+    for _ in range(STEPS_WITHOUT_SIGNAL - 1):
+        guard(model)
+    assert health.seen == {}
+    with pytest.warns(UserWarning, match=f"the gradient was zero in each of the first {STEPS_WITHOUT_SIGNAL}"):
+        guard(model)
+
+
+def test_lora_a_without_gradient_at_the_first_step_is_expected() -> None:
+    """LoRA's B starts at zero, so A's first gradient is exactly zero: not a failure."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(TwoBranches(), LoraConfig(r=2, target_modules=["used"]))
+    health = Health()
+    guard = GradientGuard(health)
+    _backward(model)
+    assert not model.base_model.model.used.lora_A["default"].weight.grad.any()
+    guard(model)
+    with torch.no_grad():
+        model.base_model.model.used.lora_B["default"].weight.add_(0.1)  # what the first step does
+    _backward(model)
+    guard(model)
+    assert health.seen["gradients"] == {"passed": True, "saw": "all 2 trainable tensors received gradients"}
+
+
+def test_a_constant_reward_and_a_policy_unlike_its_reference_are_named() -> None:
+    health = Health()
+    with pytest.warns(UserWarning, match=r"guard 'reward_signal' at step 1: the reward is constant"):
+        check_reward_signal(torch.full((16,), 0.731), health, 1)
+    check_reward_signal(torch.tensor([0.1, 0.9]), health, 2)  # too late: the first batch decided
+    assert not health.seen["reward_signal"]["passed"]
+    fine = Health()
+    check_reward_signal(torch.tensor([0.1, 0.9, 0.5]), fine, 1)
+    check_reference(3e-7, fine, 1)
+    assert all(v["passed"] for v in fine.seen.values())
+    with pytest.raises(RunFailed, match=r"guard 'reference' at step 1: KL to the reference is 0.2000 per token"):
+        check_reference(0.2, Health(strict=True), 1)
+
+
+def test_the_trainer_callback_runs_the_guards_in_trl_order() -> None:
+    """What trl's loop calls: train begin, then before each optimizer step, then each log."""
+    health = Health()
+    callback = guard_callback(health, reward_std_key="reward_std")
+    args, state = SimpleNamespace(deepspeed=None, fsdp=None), SimpleNamespace(global_step=1)
+    with pytest.raises(RunFailed, match="nothing to train"):
+        callback.on_train_begin(args, state, None, model=TwoBranches().requires_grad_(False))
+    model = TwoBranches()
+    callback.on_train_begin(args, state, None, model=model)
+    for _ in range(2):
+        _backward(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            callback.on_pre_optimizer_step(args, state, None, model=model)
+    assert "guard 'gradients' at step 2" in str(caught[0].message)
+    with pytest.warns(UserWarning, match="guard 'reward_signal'"):
+        callback.on_log(args, state, None, logs={"reward": 1.5, "reward_std": 0.0})
+    assert [k for k, v in health.seen.items() if not v["passed"]] == ["gradients", "reward_signal"]
+    sharded = Health()  # DeepSpeed keeps the gradients off the parameters: nothing to read, nothing said
+    GradientGuard(sharded, sharded=True)(TwoBranches())
+    assert sharded.seen == {}
