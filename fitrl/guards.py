@@ -4,12 +4,16 @@ Each guard checks one failure the field keeps meeting, once, where it first show
 
 - `trainable`: there is something to train (a frozen adapter trains nothing while its curves look
   normal, trl#6700). Always a stop: exit 1 before the first step.
-- `gradients`: every trainable tensor receives a gradient after the first optimizer step that moved
-  any (LoRA's B starts at zero, so A's first gradient is zero: the check waits a step).
+- `gradients`: every trainable tensor receives a gradient once the parameters have moved (LoRA's B
+  starts at zero, so A's first gradient is zero: the check waits for a step that moved them).
 - `reference`: at step 0 the policy is its reference, so their KL is 0 within float tolerance (a
   sampling/forward mismatch otherwise: trl#925, #1005).
 - `reward_signal`: the reward of the first batch is not constant (a label the classifier never
   predicts, a saturated probability, a reward function that reads nothing: no signal to learn from).
+- `template`, `prompt_length`: GRPO's prompts as rendered open no block the format reward expects
+  the completion to open, and at most a tenth are dropped as too long.
+- the in-run monitors (`Monitors`): each logged step's KL, entropy, clipping, completion length
+  against the stage's limits (`Limit`).
 
 A guard that fires warns once, naming the step and the numbers; with `strict_guards` it stops the run
 instead (exit 1; the checkpoints saved so far stay). `Health` keeps each guard's verdict for the
@@ -73,15 +77,17 @@ def check_trainable(model: torch.nn.Module, health: Health) -> int:
 
 
 class GradientGuard:
-    """Every trainable tensor receives a gradient: called before each optimizer step, it decides at
-    the step after the first one whose gradient is not all zero. LoRA's A gets none until B has moved
-    off zero, and a batch without signal (GRPO's groups of equal rewards, zero advantages) gives none
-    at all; a gradient that is `None` everywhere means the loss does not reach the trainable tensors.
+    """Every trainable tensor receives a gradient. Called before each optimizer step, it decides at
+    the first call after the parameters moved: LoRA's A gets no gradient until B has moved off zero,
+    which a zero learning rate (the first warmup step) or a batch without signal (GRPO's groups of
+    equal rewards) puts off. A gradient that is `None` everywhere means the loss does not reach the
+    trainable tensors; one that stays zero for `STEPS_WITHOUT_SIGNAL` steps means nothing trains.
     `sharded` (DeepSpeed, FSDP): the gradients are not on the parameters, nothing to read."""
 
     def __init__(self, health: Health, sharded: bool = False) -> None:
         self.health, self.sharded = health, sharded
-        self.step, self.moved_at, self.decided = 0, None, False
+        self.step, self.decided = 0, False
+        self.last: list[float] | None = None  # each trainable tensor's sum of |values| at the last call
 
     def __call__(self, model: torch.nn.Module) -> None:
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -89,6 +95,8 @@ class GradientGuard:
             return
         self.step += 1
         silent = [name for name, p in params if p.grad is None or not bool(p.grad.detach().ne(0).any())]
+        sums = self._sums(params)
+        moved, self.last = self.last is not None and sums != self.last, sums
         if len(silent) == len(params):
             if all(p.grad is None for _, p in params):
                 self._fail(f"none of the {len(params)} trainable tensors received a gradient: the loss does not "
@@ -97,15 +105,19 @@ class GradientGuard:
                 self._fail(f"the gradient was zero in each of the first {self.step} optimizer steps: nothing trains "
                            "(a reward without signal, a zero learning signal)")  # fmt: skip
             return
-        if self.moved_at is None:  # LoRA's A may still read zero: the next step decides
-            self.moved_at = self.step
+        if not moved:  # LoRA's A may still read zero: a call after the parameters moved decides
             return
         self.decided = True
         if silent:
-            self._fail(f"{len(silent)} of {len(params)} trainable tensors received no gradient after the first "
-                       f"optimizer step that moved the others (first: {silent[0]}): they do not train")  # fmt: skip
+            self._fail(f"{len(silent)} of {len(params)} trainable tensors received no gradient once the "
+                       f"parameters had moved (first: {silent[0]}): they do not train")  # fmt: skip
         else:
             self.health.passed("gradients", f"all {len(params)} trainable tensors received gradients")
+
+    @staticmethod
+    def _sums(params: list[tuple[str, torch.Tensor]]) -> list[float]:
+        with torch.no_grad():
+            return torch.stack([p.detach().float().abs().sum() for _, p in params]).tolist()
 
     def _fail(self, saw: str) -> None:
         self.decided = True
@@ -144,3 +156,85 @@ def check_reference(kl_per_token: float, health: Health, step: int) -> None:
         )
     else:
         health.passed("reference", f"KL to the reference {kl_per_token:.1e} per token before any update")
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One in-run monitor: the logged metric `key` above `threshold` (`kind="above"`) or below
+    `threshold` times its first logged value (`kind="below_share"`), for `steps` logged steps in a row."""
+
+    guard: str
+    key: str
+    kind: str  # "above" | "below_share"
+    threshold: float
+    meaning: str  # what usually causes it, for the warning
+    steps: int = 1
+
+
+class Monitors:
+    """The in-run monitors of a stage, fed each logged row: each `Limit` warns once (or stops under
+    `strict_guards`) with the step and the numbers; `finish` records the rest as passed, with the
+    extreme each saw."""
+
+    def __init__(self, health: Health, limits: list[Limit]) -> None:
+        self.health, self.limits = health, [lim for lim in limits if math.isfinite(lim.threshold)]
+        self.first: dict[str, float] = {}
+        self.extreme: dict[str, float] = {}
+        self.streak: dict[Limit, int] = {}
+
+    def __call__(self, row: dict[str, Any], step: int) -> None:
+        for lim in self.limits:
+            value = row.get(lim.key)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                continue
+            first = self.first.setdefault(lim.key, float(value))
+            bound = lim.threshold if lim.kind == "above" else lim.threshold * first
+            beyond = value > bound if lim.kind == "above" else value < bound
+            pick = max if lim.kind == "above" else min
+            self.extreme[lim.key] = pick(self.extreme.get(lim.key, value), value)
+            self.streak[lim] = self.streak.get(lim, 0) + 1 if beyond else 0
+            if self.streak[lim] >= lim.steps:
+                relation = (
+                    f"above {bound:.3g}"
+                    if lim.kind == "above"
+                    else f"below {bound:.3g} ({lim.threshold:g} x its first {first:.3g})"
+                )
+                run = f" for {lim.steps} logged steps" if lim.steps > 1 else ""
+                self.health.failed(lim.guard, f"{lim.key} {value:.3g} is {relation}{run}: {lim.meaning}", step)
+
+    def finish(self) -> None:
+        for lim in self.limits:
+            if lim.key in self.extreme:
+                word = "max" if lim.kind == "above" else "min"
+                self.health.passed(lim.guard, f"{lim.key} {word} {self.extreme[lim.key]:.3g}")
+
+
+# Blocks a format reward expects the completion to open; a chat template that opens one itself (a
+# thinking model's ends the prompt with `<think>`) leaves the completion without it.
+OPENING_TAGS = ("<reasoning>", "<think>")
+DROPPED_SHARE = 0.1  # of the prompts, dropped as longer than the limit, before the guard fires
+
+
+def check_prompts(rendered: str, dropped: int, total: int, limit: int, health: Health) -> None:
+    """A policy stage's prompts before any step: the chat template opens no block the completion must
+    open (ms-swift#9764: the format reward then reads 0), and few prompts are over the length limit."""
+    opened = next((t for t in OPENING_TAGS if rendered.rstrip().endswith(t)), None)
+    if opened is not None:
+        health.failed(
+            "template",
+            f"the chat template ends each prompt with {opened}: completions will lack the opening tag the format "
+            "reward looks for, so it reads 0; use a template without it",
+            0,
+        )
+    else:
+        health.passed("template", "the rendered prompt opens no block the completion must open")
+    share = dropped / max(total, 1)
+    if share > DROPPED_SHARE:
+        health.failed(
+            "prompt_length",
+            f"{dropped} of {total} prompts ({share:.0%}) are longer than {limit} tokens and were dropped; raise the "
+            "prompt length limit",
+            0,
+        )
+    else:
+        health.passed("prompt_length", f"{dropped} of {total} prompts over {limit} tokens, dropped")

@@ -23,7 +23,7 @@ from fitrl import signals
 from fitrl.checkpoints import COMPLETE_FILE, check_checkpoint_files, checkpoint_root, stopped
 from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
-from fitrl.guards import GradientGuard, Health, check_reward_signal, check_trainable
+from fitrl.guards import GradientGuard, Health, Limit, Monitors, check_reward_signal, check_trainable
 from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
 from fitrl.outputs import METRICS_NAME, MetricsLog, metrics_callback, read_jsonl, write_jsonl
@@ -76,19 +76,20 @@ def trainer_callbacks(
     health: Health,
     extra: Callable[[], dict[str, Any]] | None = None,
     reward_std_key: str | None = None,
+    limits: list[Limit] | None = None,
 ) -> list[Any]:
     """What every trl stage adds to the Trainer: its metrics log (with `extra()` per row), complete
     checkpoints, the stop at a non-finite value, the guards (`health`; `reward_std_key`: the logged
-    reward spread a policy stage learns from) and the step-peak tracker. The tensorboard logs go into
-    the staged output `out` (`<output_dir>/runs`, as PPO's), not beside the checkpoints; `train` unsets
-    that again."""
+    reward spread a policy stage learns from; `limits`: its in-run monitors) and the step-peak tracker.
+    The tensorboard logs go into the staged output `out` (`<output_dir>/runs`, as PPO's), not beside
+    the checkpoints; `train` unsets that again."""
     os.environ[TENSORBOARD_DIR_ENV] = str(out / "runs")
     health.strict = any(getattr(c, "strict_guards", False) for c in configs)
     return [
         metrics_callback(metrics, extra=extra),
         checkpoint_extras(configs, metrics),
         finite_guard(output_dir, fix="lower learning_rate or max_grad_norm"),
-        guard_callback(health, reward_std_key),
+        guard_callback(health, reward_std_key, limits or []),
         step_peak_callback(step_peak),
     ]
 
@@ -165,13 +166,19 @@ def finite_guard(output_dir: str | Path, fix: str) -> Any:
     return _Finite()
 
 
-def guard_callback(health: Health, reward_std_key: str | None = None) -> Any:
+def guard_callback(health: Health, reward_std_key: str | None = None, limits: list[Limit] = ()) -> Any:
     """`fitrl.guards` on trl's loop: something to train before the first step, gradients before the
-    first optimizer steps of this process, and the first logged reward's spread (`reward_std_key`)."""
+    first optimizer steps of this process, the first logged reward's spread (`reward_std_key`), and
+    the in-run monitors (`limits`) on every logged row."""
     from transformers import TrainerCallback
+
+    monitors = Monitors(health, list(limits))
 
     class _Guards(TrainerCallback):
         gradients: GradientGuard | None = None
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            monitors.finish()
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             self.gradients = GradientGuard(health, sharded=bool(args.deepspeed or args.fsdp))
@@ -184,6 +191,7 @@ def guard_callback(health: Health, reward_std_key: str | None = None) -> Any:
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
             logs = logs or {}
+            monitors(logs, state.global_step)
             if reward_std_key in logs and "reward_signal" not in health.seen:
                 rewards = [logs.get("reward", 0.0)]
                 std = float(logs[reward_std_key])

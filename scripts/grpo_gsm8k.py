@@ -29,14 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import ensure_chat_template
+from fitrl.answer_format import ensure_chat_template, render_prompt
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import UsageError, config_dict, entrypoint, first_line
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.guards import Health
+from fitrl.guards import Health, check_prompts
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
@@ -53,7 +53,7 @@ from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.rewards import REWARD_FUNCTIONS
 from fitrl.rollout import complete_chats
-from fitrl.stages.grpo import STAGE, GRPOArguments
+from fitrl.stages.grpo import STAGE, GRPOArguments, monitors
 
 # GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
 GRPO_SETTINGS = [
@@ -139,6 +139,11 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         "plain_chat_template": plain_template,
     }
     run = Run(*configs, model_path, tokenizer, dataset, details, str(resume) if resume else None, checkpoints_existed)
+    run.health.strict = args.strict_guards
+    total = len(dataset) + n_too_long
+    check_prompts(
+        render_prompt(tokenizer, dataset[0]["prompt"]), n_too_long, total, data_args.max_prompt_length, run.health
+    )
     run.training_args = grpo_config(args, model_args)
     run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, run.training_args.world_size)
     if run.is_main:
@@ -182,6 +187,7 @@ def build(run: Run) -> None:
             run.health,
             extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)},
             reward_std_key="reward_std",
+            limits=monitors(args),
         ),
     )
     keep_adapter_in_float32(run.trainer, run.model_args)

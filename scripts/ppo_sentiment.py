@@ -49,7 +49,7 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
-from fitrl.guards import GradientGuard, Health, check_reference, check_reward_signal, check_trainable
+from fitrl.guards import GradientGuard, Health, Monitors, check_reference, check_reward_signal, check_trainable
 from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
 from fitrl.modeling import (
     LoraArguments,
@@ -69,7 +69,7 @@ from fitrl.rollout import (
     sample_responses,
 )
 from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward
-from fitrl.stages.ppo import STAGE, PPOArguments
+from fitrl.stages.ppo import STAGE, PPOArguments, monitors
 
 
 @dataclass
@@ -105,6 +105,7 @@ class Run:
     warned_negative_kl: bool = False
     health: Health = dataclasses.field(default_factory=Health)  # what the guards saw
     gradients: GradientGuard | None = None
+    monitors: Monitors | None = None  # the in-run guards on each step's metrics
 
     @property
     def device(self) -> torch.device:
@@ -268,6 +269,7 @@ def prepare(run: Run) -> None:
     run.health.strict = run.args.strict_guards
     check_trainable(run.unwrapped, run.health)
     run.gradients = GradientGuard(run.health, sharded=run.accelerator.distributed_type in ("DEEPSPEED", "FSDP"))
+    run.monitors = Monitors(run.health, monitors(run.args))
     if run.args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
         flat = config_dict(*run.configs)
         hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
@@ -374,6 +376,7 @@ def log_step(
         "memory/gpu_peak_mb": gpu_peak_mb(),
     }
     run.metrics.log(row)
+    run.monitors(row, step + 1)
     accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step + 1)
     if mean_kl < -1 and not run.warned_negative_kl and accelerator.is_main_process:
         run.warned_negative_kl = True
@@ -458,6 +461,7 @@ def finish(run: Run) -> None:
         unwrapped.policy.save_pretrained(out, selected_adapters=["default"])  # not the reward adapter
         torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
 
+    run.monitors.finish()
     rewards = [r["env/reward_mean"] for r in run.metrics.rows]
     value_head = {f"value_head.{k}": v for k, v in unwrapped.value_head.state_dict().items()}
     end = TrainingEnd(

@@ -113,7 +113,10 @@ def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_ru
     """A clean run shows every guard passed, per training stage, in run_info.json and the report."""
     from fitrl import stages
 
-    expected = {"sft": 2, "rm": 2, "ppo": 4, "dpo": 2, "grpo": 3}  # PPO and GRPO: the reward's too
+    # SFT, RM, DPO: trainable, gradients; PPO: also reference, reward_signal, kl, entropy, clipping;
+    # GRPO: also template, prompt_length, reward_signal, entropy, length (its kl is logged only with
+    # beta > 0: the demo's is 0)
+    expected = {"sft": 2, "rm": 2, "ppo": 7, "dpo": 2, "grpo": 7}
     report = (demo_run / "report.md").read_text()
     for name, count in expected.items():
         health = load_run_info(demo_run / stages.get(name).output_dir)["health"]

@@ -505,6 +505,32 @@ def _grpo_main(out: Path, demo_cache: Path, *extra: str | Path) -> int:
     return run_main("grpo_gsm8k.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
 
 
+def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
+    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A thinking-style chat template ends the prompt with the block the format reward expects the
+    completion to open: completions never write it and the format reward reads 0 (ms-swift#9764).
+    With strict_guards the run stops in its preflight, before the model loads, and writes nothing."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
+
+    model = tmp_path / "thinking"
+    shutil.copytree(demo_root / "reasoner", model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cue = "{{ 'Answer:\\n' }}"
+    assert cue in PLAIN_CHAT_TEMPLATE
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(cue, "{{ 'Answer:\\n<reasoning>\\n' }}")
+    tokenizer.save_pretrained(model)
+    code = _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+    err = capsys.readouterr().err
+    assert code == 1, err[-2000:]
+    assert "error: guard 'template' at step 0: the chat template ends each prompt with <reasoning>" in err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_latest_skips_checkpoints_whose_save_did_not_finish(
     copied_checkpoints: Path, demo_cache: Path, capsys: pytest.CaptureFixture

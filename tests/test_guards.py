@@ -39,6 +39,14 @@ def _backward(model: nn.Module) -> None:
     model(torch.randn(3, 4)).backward()
 
 
+def _step(model: nn.Module) -> None:
+    """What an optimizer step with a learning rate above zero does: the parameters with gradients move."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+
+
 def test_a_frozen_model_stops_before_the_first_step() -> None:
     """trl#6700: a frozen adapter trains nothing while its curves look normal."""
     model = TwoBranches().requires_grad_(False)
@@ -53,15 +61,18 @@ def test_a_tensor_off_the_loss_path_is_named_after_the_first_optimizer_step() ->
     model, health = TwoBranches(), Health()
     guard = GradientGuard(health)
     _backward(model)
-    guard(model)  # some gradient: LoRA's A might still read zero, the next step decides
+    guard(model)  # some gradient: LoRA's A might still read zero until the parameters moved
+    guard(model)  # a zero learning rate (the first warmup step) moved nothing: still undecided
     assert health.seen == {}
-    with pytest.warns(UserWarning, match=r"guard 'gradients' at step 2: 2 of 4 trainable tensors received no gradient"):
+    _step(model)
+    _backward(model)
+    with pytest.warns(UserWarning, match=r"guard 'gradients' at step 3: 2 of 4 trainable tensors received no gradient"):
         guard(model)
     assert health.seen["gradients"] == {
         "passed": False,
-        "saw": "2 of 4 trainable tensors received no gradient after the first optimizer step that moved the "
-        "others (first: unused.weight): they do not train",
-        "step": 2,
+        "saw": "2 of 4 trainable tensors received no gradient once the parameters had moved (first: "
+        "unused.weight): they do not train",
+        "step": 3,
     }
     with warnings.catch_warnings():  # once: the verdict stays, nothing more is said
         warnings.simplefilter("error")
@@ -132,6 +143,7 @@ def test_the_trainer_callback_runs_the_guards_in_trl_order() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             callback.on_pre_optimizer_step(args, state, None, model=model)
+        _step(model)
     assert "guard 'gradients' at step 2" in str(caught[0].message)
     with pytest.warns(UserWarning, match="guard 'reward_signal'"):
         callback.on_log(args, state, None, logs={"reward": 1.5, "reward_std": 0.0})
@@ -139,3 +151,37 @@ def test_the_trainer_callback_runs_the_guards_in_trl_order() -> None:
     sharded = Health()  # DeepSpeed keeps the gradients off the parameters: nothing to read, nothing said
     GradientGuard(sharded, sharded=True)(TwoBranches())
     assert sharded.seen == {}
+
+
+def test_the_in_run_monitors_fire_once_on_their_limits_and_record_the_rest() -> None:
+    from fitrl.guards import Limit, Monitors
+
+    health = Health()
+    monitors = Monitors(
+        health,
+        [
+            Limit("kl", "objective/kl", "above", 10.0, "runs away"),
+            Limit("entropy", "objective/entropy", "below_share", 0.5, "collapses"),
+            Limit("clipping", "ppo/clipfrac", "above", 0.3, "too large", steps=3),
+            Limit("off", "objective/kl", "above", float("inf"), "never"),
+        ],
+    )
+    rows = [  # entropy halves past its floor at step 3; clipping is high twice, low, then three times
+        {"objective/kl": 1.0, "objective/entropy": 4.0, "ppo/clipfrac": 0.5},
+        {"objective/kl": 2.0, "objective/entropy": 3.0, "ppo/clipfrac": 0.5},
+        {"objective/kl": 3.0, "objective/entropy": 1.9, "ppo/clipfrac": 0.1},
+        {"objective/kl": 4.0, "objective/entropy": 1.0, "ppo/clipfrac": 0.4},
+        {"objective/kl": 5.0, "objective/entropy": 3.0, "ppo/clipfrac": 0.4},
+        {"objective/kl": 6.0, "objective/entropy": 3.0, "ppo/clipfrac": 0.4},
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, row in enumerate(rows, 1):
+            monitors(row, step)
+        monitors.finish()
+    assert [str(w.message) for w in caught] == [
+        "guard 'entropy' at step 3: objective/entropy 1.9 is below 2 (0.5 x its first 4): collapses",
+        "guard 'clipping' at step 6: ppo/clipfrac 0.4 is above 0.3 for 3 logged steps: too large",
+    ]
+    assert health.seen["kl"] == {"passed": True, "saw": "objective/kl max 6"}
+    assert "off" not in health.seen  # an infinite limit is off

@@ -218,6 +218,9 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
         "reference": True,  # the policy is its reference before any update: KL ~0
         "reward_signal": False,
         "gradients": True,
+        "kl": True,  # the in-run monitors, with the extreme each saw
+        "entropy": True,
+        "clipping": True,
     }, health
     stopped = _ppo(tmp_path / "strict", demo_cache, *SMALL, "--steps", "2", "--reward_model", constant,
                    "--strict_guards", "true")  # fmt: skip

@@ -13,6 +13,7 @@ from typing import Literal
 from fitrl.config import UsageError, check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
+from fitrl.guards import Limit
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.stages.base import (
     STRICT_GUARDS_HELP,
@@ -77,9 +78,21 @@ class GRPOArguments:
     report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
     seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
     strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
+    guard_kl_max: float = help_field(
+        1.0, "Guard: the KL to the reference (trl's kl, nats per token, logged when beta > 0) above this (inf: off)."
+    )
+    guard_entropy_floor: float = help_field(
+        0.1, "Guard: the completions' entropy below this share of its first value: a collapse (0: off)."
+    )
+    guard_truncated_max: float = help_field(
+        0.95, "Guard: the share of completions cut at max_completion_length above this for 5 logged steps (1: off)."
+    )
 
     def validate(self) -> None:
         check_tracker(self.report_to)
+        check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
+        check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
+        check(0 < self.guard_truncated_max <= 1, "guard_truncated_max", "in (0, 1]")
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
         check(self.max_completion_length >= 1, "max_completion_length", ">= 1")
@@ -129,6 +142,17 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
             f"per_device_train_batch_size x processes x steps) must be a multiple of it (got {args.num_generations})"
         )
     return w
+
+
+def monitors(args: GRPOArguments) -> list[Limit]:
+    """GRPO's in-run monitors (`fitrl.guards`), on trl's logged metrics."""
+    return [
+        Limit("kl", "kl", "above", args.guard_kl_max, "the policy runs away from its reference; raise beta"),
+        Limit("entropy", "entropy", "below_share", args.guard_entropy_floor,
+              "the completions collapse onto a few; lower learning_rate or raise temperature"),
+        Limit("length", "completions/clipped_ratio", "above", args.guard_truncated_max,
+              "completions run to max_completion_length without ending; raise it, or check the EOS token", steps=5),
+    ]  # fmt: skip
 
 
 def batch_moves(configs: Configs) -> Moves:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from fitrl.config import check, check_tracker, help_field
 from fitrl.demo import DemoArguments
+from fitrl.guards import Limit
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.rollout import generation_batch
 from fitrl.sentiment import PromptArguments, RewardArguments
@@ -81,9 +82,21 @@ class PPOArguments:
     log_samples: int = help_field(4, "Query/response/reward samples kept from the first and last steps.")
     seed: int = help_field(0, "Random seed (prompts, lengths, sampling, shuffling).")
     strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
+    guard_kl_max: float = help_field(
+        30.0, "Guard: the KL to the reference (objective/kl, nats per response) above this (inf: off)."
+    )
+    guard_entropy_floor: float = help_field(
+        0.1, "Guard: the policy's entropy below this share of its first value: a collapse (0: off)."
+    )
+    guard_clipfrac_max: float = help_field(
+        0.5, "Guard: the share of clipped policy ratios above this for 5 steps in a row (1: off)."
+    )
 
     def validate(self) -> None:
         check_tracker(self.report_to)
+        check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
+        check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
+        check(0 < self.guard_clipfrac_max <= 1, "guard_clipfrac_max", "in (0, 1]")
         for key in [
             "steps",
             "batch_size",
@@ -142,6 +155,18 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
         value_head=True,
         reward_adapter=bool(config_of(configs, RewardArguments).reward_adapter),
     )
+
+
+def monitors(args: PPOArguments) -> list[Limit]:
+    """PPO's in-run monitors (`fitrl.guards`), on its logged metrics."""
+    return [
+        Limit("kl", "objective/kl", "above", args.guard_kl_max,
+              "the policy runs away from its reference; raise init_kl_coef or lower learning_rate"),
+        Limit("entropy", "objective/entropy", "below_share", args.guard_entropy_floor,
+              "the policy collapses onto a few responses; raise the KL coefficient or lower learning_rate"),
+        Limit("clipping", "ppo/clipfrac", "above", args.guard_clipfrac_max,
+              "updates too large for the clip range; lower learning_rate or ppo_epochs", steps=5),
+    ]  # fmt: skip
 
 
 def reward_model(args: RewardArguments) -> str | None:
