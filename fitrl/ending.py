@@ -5,7 +5,8 @@ samples, and prints one summary line.
 `run_info.json` holds, for every training stage: `stage`, `resolved_model_path`, `world_size`,
 `resumed_from`, `trainable_parameters`, `rank_weight_digests` (one per rank: equal, or the run
 fails), `memory` (planned and measured peaks, `fitrl.memory.memory_report`), `health` (each guard's
-verdict, `fitrl.guards`), then the stage's own figures (`details`).
+verdict, `fitrl.guards`), then the stage's own figures (`details`). `README.md` is the adapter's
+model card: what it is, its figures, and how to load it.
 """
 
 from __future__ import annotations
@@ -76,10 +77,54 @@ def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
     }
     save_run_info(out, info)
     plot_curves(end.metrics, end.curves, out / end.plot, title=end.title)
+    (out / "README.md").write_text(model_card(end, out))
     if end.samples is not None:
         name, text = end.samples
         (out / name).write_text(text)
     print(end.summary)
+
+
+def model_card(end: TrainingEnd, out: Path) -> str:
+    """The adapter's model card (in place of peft's empty template): the base it needs, the stage and
+    data that made it, its figures and guards as the report reads them, and how to load it."""
+    from fitrl.modeling import ModelArguments
+    from fitrl.report import figures
+    from fitrl.stages import get
+    from fitrl.stages.base import config_of
+
+    stage = get(end.stage)
+    base = config_of(end.configs, ModelArguments).model_name_or_path
+    data = next((c.dataset for c in end.configs if isinstance(getattr(c, "dataset", None), str)), None)
+    auto = "AutoModelForSequenceClassification" if end.stage == "rm" else "AutoModelForCausalLM"
+    lines = [
+        "---",
+        f"base_model: {base}",
+        "library_name: peft",
+        f"tags: [fitrl, {end.stage}, lora]",
+        "---",
+        f"# {end.title}",
+        "",
+        f"A LoRA adapter trained by fitrl's `{end.stage}` stage (`scripts/{stage.script}`) on `{base}`"
+        + (f" with `{data}`." if data else "."),
+        "Its resolved settings are `run_config.yaml`; what it measured, `run_info.json` and `metrics.jsonl`.",
+        "",
+        "## Results",
+        "",
+        *[f"- {line}" for line in figures(stage, out)],
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from peft import PeftModel",
+        f"from transformers import {auto}",
+        "",
+        f'base = {auto}.from_pretrained("{base}"' + (", num_labels=1)" if end.stage == "rm" else ")"),
+        'model = PeftModel.from_pretrained(base, "<this folder or its hub id>")',
+        "```",
+    ]
+    if end.stage == "ppo":
+        lines += ["", "The value head PPO trained beside the policy is `value_head.pt` (a state dict)."]
+    return "\n".join(lines) + "\n"
 
 
 def stable_adapter_config(out: Path) -> None:

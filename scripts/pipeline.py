@@ -28,13 +28,13 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
+from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
 from fitrl.stages import NAMES, STAGES, Stage, get, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
@@ -46,7 +46,6 @@ NOT_RESULTS = {
     "report_to",
     "strict_guards",
 }
-DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
 LOG_TAIL = 15
 RUN_MARKER = ".fitrl-run.json"  # a run directory's: later runs may write into it
 
@@ -241,8 +240,7 @@ def run_logged(cmd: list[str], log: Path) -> int:
     """Run `cmd` with its whole output in `log`; on a terminal, show its progress bar on one line."""
     log.parent.mkdir(parents=True, exist_ok=True)
     show = sys.stderr.isatty()
-    with tempfile.NamedTemporaryFile("w", delete=False) as status, log.open("wb") as sink:
-        env = {**os.environ, "FITRL_STATUS_FILE": status.name, "PYTHONUNBUFFERED": "1"}
+    with status_file() as (env, status), log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             for chunk in iter(lambda: proc.stdout.read1(4096), b""):
@@ -259,17 +257,7 @@ def run_logged(cmd: list[str], log: Path) -> int:
         finally:
             if show:
                 sys.stderr.write("\r\x1b[K")
-        recorded = Path(status.name).read_text().strip()
-    Path(status.name).unlink(missing_ok=True)
-    # accelerate reports any failed child as exit 1: the stage left its own code (2 for bad input) here
-    return int(recorded) if code and recorded.isdigit() else code
-
-
-def executable(cmd: list[str]) -> list[str]:
-    """`python` and `accelerate launch` as this interpreter's, whatever PATH holds."""
-    if cmd[:2] == ["accelerate", "launch"]:
-        return [sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]]
-    return [sys.executable if w == "python" else w for w in cmd]
+        return stage_exit_code(code, status)
 
 
 def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float]) -> None:

@@ -147,6 +147,12 @@ def test_ppo_writes_its_outputs_and_leaves_the_base_untouched(demo_run: Path) ->
     assert lora_b and all(t.abs().max() > 0 for t in lora_b)
     head = torch.load(ppo / "value_head.pt")
     assert head["bias"].abs().item() > 0  # zero at init
+    # Every training stage's adapter has a model card: its base, figures, guards and how to load it
+    for stage in ["sft", "rm", "ppo", "dpo", "grpo"]:
+        card = (demo_run / stage / "README.md").read_text()
+        assert card.startswith("---\nbase_model: ") and f"tags: [fitrl, {stage}, lora]" in card, card
+        assert "## Results" in card and "guards passed: " in card and "PeftModel.from_pretrained" in card, card
+        assert "More Information Needed" not in card  # peft's empty template
     row = read_jsonl(ppo / "metrics.jsonl")[-1]
     for key in [
         "objective/kl",

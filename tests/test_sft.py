@@ -141,24 +141,32 @@ def test_non_empty_output_dir_is_refused_without_overwrite(tmp_path: Path, demo_
 
 
 @pytest.mark.slow
-def test_a_direct_run_and_accelerate_launch_write_the_same_adapter(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_direct_run_accelerate_launch_and_the_fitrl_command_write_the_same_adapter(
+    tmp_path: Path, demo_cache: Path
+) -> None:
     """One thread rule for every way a stage is launched: `accelerate launch` gives its process one
-    thread, and a direct run without OMP_NUM_THREADS (which would take every core) gets one too. The
-    runs also hash strings differently (PYTHONHASHSEED), which peft's set of LoRA targets follows."""
+    thread, and a direct run without OMP_NUM_THREADS (which would take every core) gets one too; the
+    `fitrl` command (installed by the project's install) launches through accelerate. The runs also
+    hash strings differently (PYTHONHASHSEED), which peft's set of LoRA targets follows."""
     import os
     import subprocess
     import sys
 
     args = ["--config", SFT_YAML, "--demo_cache_dir", demo_cache, "--max_steps", "3", "--report_to", "none"]
-    runs = {"direct": [sys.executable], "accelerate": accelerate_launch(1)}
+    script = str(CONFIGS.parent / "scripts" / "sft_lora.py")
+    runs = {
+        "direct": [sys.executable, script],
+        "accelerate": [*accelerate_launch(1), script],
+        "fitrl": [str(Path(sys.executable).parent / "fitrl"), "sft"],
+    }
     for i, (name, launcher) in enumerate(runs.items()):
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        cmd = [*launcher, str(CONFIGS.parent / "scripts" / "sft_lora.py"), *map(str, args)]
-        cmd += ["--output_dir", str(tmp_path / name)]
+        cmd = [*launcher, *map(str, args), "--output_dir", str(tmp_path / name)]
         result = subprocess.run(cmd, env={**env, "PYTHONHASHSEED": str(i)}, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
     for name in ["adapter_model.safetensors", "adapter_config.json"]:
-        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "accelerate" / name).read_bytes(), name
+        for run in ["accelerate", "fitrl"]:
+            assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / run / name).read_bytes(), (run, name)
 
 
 @pytest.mark.slow

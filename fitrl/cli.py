@@ -1,0 +1,125 @@
+"""The `fitrl` command, in the style of `trl sft` and `llamafactory-cli`: every stage and tool by name.
+
+    fitrl sft --config configs/demo/sft.yaml --max_steps 20      # a training stage, through accelerate
+    fitrl ppo --config configs/neox20b-24gb/ppo.yaml --num_processes 2 --config_file configs/accelerate/ddp_2gpu.yaml
+    fitrl eval --config configs/demo/eval.yaml                   # an evaluation or the merge: one process
+    fitrl pipeline --profile demo                                # bash pipeline.sh's options
+    fitrl plan --config configs/llama1b-16gb/grpo.yaml --gpu "RTX 3080 Laptop 16GB"
+    fitrl doctor --profile neox20b-24gb                          # what would stop a run
+    fitrl report outputs/demo                                    # rebuild a run's report
+
+A training stage is launched as `accelerate launch` (one process unless `--num_processes` or an
+accelerate `--config_file` says otherwise) runs it, and the command exits with the stage's own code:
+a usage error is its one `error:` line and exit 2, not accelerate's traceback and exit 1. Everything
+after the stage's name, but those two, goes to the stage. `accelerate launch scripts/<stage>.py` and
+`bash pipeline.sh` keep working as before.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = {  # name: (the arguments to python, what it does)
+    "pipeline": ([str(ROOT / "scripts" / "pipeline.py")], "every stage of a profile in one run directory"),
+    "plan": ([str(ROOT / "scripts" / "plan_memory.py")], "the memory plan of a stage's config on a card"),
+    "doctor": (["-m", "fitrl.doctor"], "what would stop a profile's run, in seconds"),
+    "report": (["-m", "fitrl.report"], "rebuild a run directory's report.md and report.html"),
+}
+LAUNCH_OPTIONS = ("--num_processes", "--config_file")  # the launcher's; every other flag is the stage's
+
+
+def usage() -> str:
+    from fitrl.stages import STAGES
+
+    width = max(len(n) for n in [*(s.name for s in STAGES), *TOOLS])
+    lines = ["usage: fitrl <stage or tool> [options]", "", "stages (their options: fitrl <stage> --help):"]
+    for stage in STAGES:
+        how = "accelerate launch" if stage.training else "one process"
+        lines.append(f"  {stage.name:<{width}}  scripts/{stage.script} ({how})")
+    lines += ["", "tools:"]
+    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in TOOLS.items()]
+    lines += ["", "a training stage also takes --num_processes N and --config_file <accelerate config>"]
+    return "\n".join(lines)
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def split_launch_options(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the launcher's options, the stage's), from the arguments after the stage's name."""
+    launch, rest, i = [], [], 0
+    while i < len(args):
+        name, eq, value = args[i].partition("=")
+        if name in LAUNCH_OPTIONS:
+            if not eq:
+                if i + 1 >= len(args):
+                    fail(f"{name} needs a value")
+                value, i = args[i + 1], i + 1
+            launch += [name, value]
+        else:
+            rest.append(args[i])
+        i += 1
+    return launch, rest
+
+
+def launcher(options: list[str]) -> list[str]:
+    """`accelerate launch` as the pipeline runs it, or with the accelerate config given (flags win over it)."""
+    if "--config_file" not in options:
+        command = shlex.split(DEFAULT_LAUNCH)
+        if "--num_processes" in options:  # the default's own count gives way
+            at = command.index("--num_processes")
+            del command[at : at + 2]
+        return [*command, *options]
+    path = Path(options[options.index("--config_file") + 1])
+    if not path.is_file():
+        fail(f"accelerate config {path} does not exist; give a file (configs/accelerate/ has the shipped ones)")
+    return ["accelerate", "launch", "--quiet", *options]
+
+
+def run_filtered(command: list[str]) -> int:
+    """Run `command`, its output passed through; once the stage has recorded a failure, only `error:`
+    lines pass, so accelerate's traceback after it does not bury the one line that says what to fix."""
+    with status_file() as (env, status):
+        proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
+        for line in iter(proc.stderr.readline, b""):
+            failed = status.is_file() and status.read_text().strip() not in ("", "0")
+            if not failed or line.startswith(b"error: "):
+                sys.stderr.buffer.write(line)
+                sys.stderr.buffer.flush()
+        return stage_exit_code(proc.wait(), status)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fitrl.stages import NAMES, get
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        raise SystemExit(0 if argv else 2)
+    name, rest = argv[0], argv[1:]
+    if name in TOOLS:  # the pipeline, like pipeline.sh, runs from the checkout: configs/ is relative to it
+        raise SystemExit(
+            subprocess.call([sys.executable, *TOOLS[name][0], *rest], cwd=ROOT if name == "pipeline" else None)
+        )
+    if name not in NAMES:
+        fail(f"unknown stage or tool '{name}'; known: {' '.join([*NAMES, *TOOLS])} (fitrl --help)")
+    stage = get(name)
+    script = ROOT / "scripts" / stage.script
+    if not script.is_file():
+        fail(f"{script} is missing: fitrl runs from its checkout (pip install -e .)")
+    if not stage.training:
+        raise SystemExit(run_filtered([sys.executable, str(script), *rest]))
+    options, rest = split_launch_options(rest)
+    raise SystemExit(run_filtered(executable([*launcher(options), str(script), *rest])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""How a stage is launched: training stages through `accelerate launch`, the rest as one process, with
+the stage's own exit code kept (accelerate reports any failed child as 1; the stage records its code,
+2 for bad input, in the file `STATUS_FILE_ENV` names). `scripts/pipeline.py` and the `fitrl` command
+both launch this way."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from fitrl.config import STATUS_FILE_ENV
+
+# One process, no mixed precision or compilation unless a config asks: what every profile is sized for.
+DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
+
+
+@contextmanager
+def status_file() -> Iterator[tuple[dict[str, str], Path]]:
+    """The environment to launch with (the stage records its exit code in a fresh file) and that file."""
+    with tempfile.NamedTemporaryFile("w", delete=False, prefix="fitrl-status-") as f:
+        path = Path(f.name)
+    try:
+        yield {**os.environ, STATUS_FILE_ENV: str(path), "PYTHONUNBUFFERED": "1"}, path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def stage_exit_code(code: int, path: Path) -> int:
+    """The launched stage's own exit code: what it recorded in `path` when the launcher reports a failure."""
+    recorded = path.read_text().strip() if path.is_file() else ""
+    return int(recorded) if code and recorded.isdigit() else code
+
+
+def executable(cmd: list[str]) -> list[str]:
+    """`python` and `accelerate launch` as this interpreter's, whatever PATH holds."""
+    if cmd[:2] == ["accelerate", "launch"]:
+        return [sys.executable, "-m", "accelerate.commands.launch", *cmd[2:]]
+    return [sys.executable if w == "python" else w for w in cmd]

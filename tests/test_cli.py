@@ -1,0 +1,58 @@
+"""The `fitrl` command (`fitrl/cli.py`), as installed by the project's install: every stage and tool by
+name, and a stage's own exit code and one `error:` line where a bare `accelerate launch` gives exit 1
+and its traceback. A stage run through it writing what a direct run writes: tests/test_sft.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitrl.stages import NAMES
+
+from conftest import CONFIGS
+
+FITRL = Path(sys.executable).parent / "fitrl"
+
+
+def _fitrl(*args: str | Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FITRL), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_names_every_stage_and_tool() -> None:
+    result = _fitrl("--help")
+    assert result.returncode == 0, result.stderr
+    for name in [*NAMES, "pipeline", "plan", "doctor", "report"]:
+        assert f"\n  {name} " in result.stdout, name
+    assert _fitrl().returncode == 2  # nothing to run: the usage, exit 2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sftt"], "error: unknown stage or tool 'sftt'; known: sft merge"),
+        (["sft", "--num_processes"], "error: --num_processes needs a value"),
+        (["ppo", "--config_file", "no/such.yaml"], "error: accelerate config no/such.yaml does not exist"),
+    ],
+)
+def test_a_bad_command_line_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = _fitrl(*args)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+
+
+def test_a_stage_refusing_its_config_under_accelerate_keeps_its_exit_code_and_one_line(tmp_path: Path) -> None:
+    """A bare `accelerate launch` turns the stage's exit 2 into 1 and appends its own traceback."""
+    result = _fitrl("sft", "--config", CONFIGS / "demo" / "sft.yaml", "--learning_rate", "-1",
+                    "--output_dir", tmp_path / "sft")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == ["error: invalid value for 'learning_rate': must be > 0"]
+    assert not (tmp_path / "sft").exists()
+
+
+def test_tools_run_with_their_own_options(demo_cache: Path) -> None:
+    result = _fitrl("plan", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--brief")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("memory plan: peak")
