@@ -89,11 +89,14 @@ def run_filtered(command: list[str]) -> int:
     lines pass, so accelerate's traceback after it does not bury the one line that says what to fix."""
     with status_file() as (env, status):
         proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
-        for line in iter(proc.stderr.readline, b""):
-            failed = status.is_file() and status.read_text().strip() not in ("", "0")
-            if not failed or line.startswith(b"error: "):
-                sys.stderr.buffer.write(line)
-                sys.stderr.buffer.flush()
+        held = b""  # once the stage failed: the start of a line not yet ended
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):  # chunks, not lines: progress bars live
+            if not (status.is_file() and status.read_text().strip() not in ("", "0")):
+                sys.stderr.buffer.write(chunk)
+            else:
+                *lines, held = (held + chunk).split(b"\n")
+                sys.stderr.buffer.write(b"".join(line + b"\n" for line in lines if line.startswith(b"error: ")))
+            sys.stderr.buffer.flush()
         return stage_exit_code(proc.wait(), status)
 
 
