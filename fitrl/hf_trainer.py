@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,7 @@ def finite_guard(output_dir: str | Path, fix: str) -> Any:
     return _Finite()
 
 
-def guard_callback(health: Health, reward_std_key: str | None = None, limits: list[Limit] = ()) -> Any:
+def guard_callback(health: Health, reward_std_key: str | None = None, limits: Sequence[Limit] = ()) -> Any:
     """`fitrl.guards` on trl's loop: something to train before the first step, gradients before the
     first optimizer steps of this process, the first logged reward's spread (`reward_std_key`), and
     the in-run monitors (`limits`) on every logged row."""
@@ -176,9 +176,6 @@ def guard_callback(health: Health, reward_std_key: str | None = None, limits: li
 
     class _Guards(TrainerCallback):
         gradients: GradientGuard | None = None
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            monitors.finish()
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             self.gradients = GradientGuard(health, sharded=bool(args.deepspeed or args.fsdp))
@@ -196,6 +193,9 @@ def guard_callback(health: Health, reward_std_key: str | None = None, limits: li
                 rewards = [logs.get("reward", 0.0)]
                 std = float(logs[reward_std_key])
                 check_reward_signal(rewards, health, state.global_step, std=std, where="logged step")
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            monitors.finish()
 
     return _Guards()
 
