@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB = 2**20, 2**30
 ROWS_CHECKED = 64  # a dataset's first rows, read as the stage reads them
 # The settings that name a model a stage loads (a reward model only where no rm adapter replaces it).
-MODEL_KEYS = ("model_name_or_path", "base_model", "reward_model", "judge_model")
+MODEL_KEYS = ("model_name_or_path", "base_model", "reward_model", "judge_model", "guard_judge_model")
 HUB = ("huggingface.co", 443)
 
 

@@ -73,6 +73,7 @@ def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
         "rank_weight_digests": digests,
         "memory": end.memory,
         "health": end.health.to_json(),
+        "guard_seconds": round(end.health.seconds, 3),
         **end.details,
     }
     save_run_info(out, info)

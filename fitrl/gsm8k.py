@@ -29,6 +29,10 @@ class GSM8KDataArguments:
     dataset: str = help_field(
         "openai/gsm8k", "Hub id, a local .jsonl/.csv/.parquet with question/answer columns, or demo://arithmetic."
     )
+    question_column: str = help_field("question", "Column holding the question.")
+    answer_column: str = help_field(
+        "answer", "Column holding the answer: a solution ending '#### <number>' (GSM8K's), or just the number."
+    )
     dataset_config: str | None = help_field("main", "Hub dataset configuration ('main' for openai/gsm8k).")
     dataset_split: str = help_field("train", "Split to use.")
     max_samples: int | None = help_field(None, "Use at most this many problems (all when empty).")
@@ -41,13 +45,19 @@ class GSM8KDataArguments:
 
 
 def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, list[dict[str, Any]]]:
-    """GSM8K problems with a `gold` column, and the rows skipped because their gold is not a number.
+    """Problems with `question`, `answer` and `gold` columns, and the rows skipped because their gold is not
+    a number.
 
-    A dataset without `question`/`answer` columns, or with an answer lacking `####`, is not GSM8K: that
-    is a `UsageError`. A gold answer that does not parse as a number is skipped and reported.
+    The answer is GSM8K's (a solution whose last line is `#### <number>`) or the number alone. Missing
+    columns, an empty question, or an answer that is neither is a `UsageError`; a gold after `####` that
+    does not parse as a number is skipped and reported.
     """
     ds = load_dataset_any(args.dataset, args.dataset_split, demo_cache_dir, args.dataset_config)
-    require_columns(ds, ["question", "answer"], args.dataset, "GSM8K data needs 'question' and 'answer' columns")
+    columns = [args.question_column, args.answer_column]
+    require_columns(ds, columns, args.dataset, "set question_column and answer_column to the data's columns")
+    if columns != ["question", "answer"]:
+        ds = ds.select_columns(columns)
+        ds = ds.rename_columns({old: new for old, new in zip(columns, ["question", "answer"]) if old != new})
     if args.max_samples is not None:
         ds = ds.select(range(min(args.max_samples, len(ds))))
     skipped, keep, golds = [], [], []
@@ -55,10 +65,15 @@ def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, l
         answer, question = row["answer"], row["question"]
         if not isinstance(question, str) or not question.strip():
             raise UsageError(f"dataset {args.dataset} row {i} has an empty question; every row needs one")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
         gold = extract_gold(answer) if isinstance(answer, str) else None
+        if gold is None and isinstance(answer, str) and parse_gold(answer) is not None:
+            gold = answer.strip()  # the number alone
         if gold is None:
             raise UsageError(
-                f"dataset {args.dataset} row {i}: answer has no '#### <number>' line; GSM8K answers end with one"
+                f"dataset {args.dataset} row {i}: answer {str(answer)[:40]!r} is neither a number nor a solution "
+                "ending '#### <number>'; give one of the two"
             )
         if parse_gold(gold) is None:
             skipped.append({"row": i, "gold": gold})
@@ -94,6 +109,11 @@ def fewshot_examples(args: GSM8KDataArguments, k: int, seed: int, demo_cache_dir
     train, _ = load_problems(dataclasses.replace(args, dataset_split="train", max_samples=None), demo_cache_dir)
     if len(train) < k:
         raise UsageError(f"num_fewshot={k} but the train split has {len(train)} problems; lower num_fewshot")
+    if not all("####" in str(a) for a in train["answer"]):
+        raise UsageError(
+            f"num_fewshot={k} needs worked solutions ending '#### <number>' in the train split, not bare numbers; "
+            "set num_fewshot 0"
+        )
     rows = random.Random(seed).sample(range(len(train)), k)
     return [(train[i]["question"], format_solution(train[i]["answer"])) for i in rows]
 

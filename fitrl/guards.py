@@ -12,8 +12,15 @@ Each guard checks one failure the field keeps meeting, once, where it first show
   predicts, a saturated probability, a reward function that reads nothing: no signal to learn from).
 - `template`, `prompt_length`: GRPO's prompts as rendered open no block the format reward expects
   the completion to open, and at most a tenth are dropped as too long.
-- the in-run monitors (`Monitors`): each logged step's KL, entropy, clipping, completion length
-  against the stage's limits (`Limit`).
+- `reward_tokenizer`: PPO's reward model reads the policy's text decoded and re-encoded with its own
+  tokenizer; on the first batch the re-encoded text must decode back to what the policy wrote (a
+  tokenizer without the policy's characters reads them as unknown tokens), uncut by its length limit.
+- `format_only`: GRPO's rewards all score the format and beta is 0 (the policy then games the format
+  with empty content, FAI-RL#96).
+- `reward_hacking` (`HackingGuard`): the training reward rises while a score the policy never trains
+  on (held-out accuracy, a second judge) falls (autocontext#1076: 0.63 -> 0.58 as the reward rose).
+- the in-run monitors (`Monitors`): each logged step's KL, entropy, clipping, completion length,
+  repetition (`repetition`) against the stage's limits (`Limit`).
 
 A guard that fires warns once, naming the step and the numbers; with `strict_guards` it stops the run
 instead (exit 1; the checkpoints saved so far stay). `Health` keeps each guard's verdict for the
@@ -22,9 +29,13 @@ instead (exit 1; the checkpoints saved so far stay). `Health` keeps each guard's
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import math
 import os
+import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +52,20 @@ STEPS_WITHOUT_SIGNAL = 8
 
 @dataclass
 class Health:
-    """Each guard's verdict in a run: `{"passed": bool, "saw": what it saw, "step": where it fired}`."""
+    """Each guard's verdict in a run: `{"passed": bool, "saw": what it saw, "step": where it fired}`, and the
+    seconds the guards' own work took in this process (`timed`), for `run_info.json`'s `guard_seconds`."""
 
     strict: bool = False
     seen: dict[str, dict[str, Any]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def passed(self, guard: str, saw: str) -> None:
         if self.seen.get(guard, {}).get("passed", True):
@@ -90,6 +111,10 @@ class GradientGuard:
         self.last: list[float] | None = None  # each trainable tensor's sum of |values| at the last call
 
     def __call__(self, model: torch.nn.Module) -> None:
+        with self.health.timed():
+            self._check(model)
+
+    def _check(self, model: torch.nn.Module) -> None:
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if self.sharded or self.decided or not params:
             return
@@ -145,17 +170,86 @@ def check_reward_signal(
         health.passed("reward_signal", f"reward std {spread:.3g} on the first {where}")
 
 
-def check_reference(kl_per_token: float, health: Health, step: int) -> None:
-    """PPO at its first step, before any update: the policy is its reference, so their KL is ~0."""
-    if abs(kl_per_token) > REFERENCE_KL_TOLERANCE:
+def check_reference(
+    kl_per_token: float,
+    health: Health,
+    step: int,
+    what: str = "KL to the reference",
+    unit: str = "per token",
+    tolerance: float = REFERENCE_KL_TOLERANCE,
+) -> None:
+    """At its first step, before any update, the policy is its reference: their KL (`what`) is ~0.
+    PPO reads its own per-token KL; DPO and GRPO read trl's first measured log-ratios (`reference_guard`)."""
+    if abs(kl_per_token) > tolerance:
         health.failed(
             "reference",
-            f"KL to the reference is {kl_per_token:.4f} per token before any update (should be ~0): the "
-            "sampling does not match the policy's forward (padding, EOS, dtype, top_k/top_p)",
+            f"{what} is {kl_per_token:.4f} {unit} before any update (should be ~0): the policy's forward does "
+            "not match its reference's (padding, EOS, dtype, dropout, top_k/top_p, precomputed log-probs)",
             step,
         )
     else:
-        health.passed("reference", f"KL to the reference {kl_per_token:.1e} per token before any update")
+        health.passed("reference", f"{what} {kl_per_token:.1e} {unit} before any update")
+
+
+def repetition(sequences: list[list[int]], n: int = 3) -> float:
+    """The mean share of each sequence's n-grams that repeat one earlier in it (Welleck et al.'s seq-rep-n):
+    0 for text that never repeats itself, near 1 for a loop of one phrase. Sequences shorter than `n` + 1
+    tokens are left out (their one n-gram cannot repeat); NaN when none is long enough."""
+    shares = []
+    for ids in sequences:
+        grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+        if len(grams) >= 2:
+            shares.append(1 - len(set(grams)) / len(grams))
+    return sum(shares) / len(shares) if shares else math.nan
+
+
+# Of the first batch's characters, what the reward tokenizer may lose (read as unknown) before the guard fires.
+ROUND_TRIP_LOSS = 0.02
+
+
+def _lost(text: str, back: str) -> int:
+    """How many of `text`'s characters `back` lacks, whitespace and case aside (an uncased tokenizer, one
+    that spaces punctuation, reads the same text)."""
+    a, b = "".join(text.split()).casefold(), "".join(back.split()).casefold()
+    matched = sum(block.size for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks())
+    return len(a) - matched
+
+
+def check_reward_tokenizer(texts: list[str], policy_tokenizer: Any, reward_tokenizer: Any, health: Health) -> None:
+    """The first batch's texts (query + response, as decoded from the policy's tokens) through the reward
+    model's tokenizer and back: what does not come back (a character it reads as unknown) the reward
+    model never sees, and a text over its length limit is cut before scoring."""
+    same = reward_tokenizer is policy_tokenizer or (
+        type(reward_tokenizer) is type(policy_tokenizer)
+        and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+    )
+    which = "the policy's own tokenizer" if same else f"its own tokenizer ({len(reward_tokenizer):,} tokens)"
+    limit = getattr(reward_tokenizer, "model_max_length", None) or math.inf
+    lost, cut, worst = 0, 0, (0, "", [])
+    for text in texts:
+        ids = reward_tokenizer(text, add_special_tokens=False).input_ids
+        cut += len(ids) > limit
+        n = _lost(text, reward_tokenizer.decode(ids, skip_special_tokens=True))
+        lost, worst = lost + n, max(worst, (n, text, ids), key=lambda w: w[0])
+    share = lost / max(1, sum(len("".join(t.split())) for t in texts))
+    if share > ROUND_TRIP_LOSS:
+        _, text, ids = worst
+        health.failed(
+            "reward_tokenizer",
+            f"the reward model's tokenizer ({which}) loses {share:.1%} of the first batch's characters: "
+            f"{text[:60]!r} reads as {reward_tokenizer.decode(ids)[:60]!r}; score with a reward model whose "
+            "tokenizer covers the policy's text",
+            1,
+        )
+    elif cut:
+        health.failed(
+            "reward_tokenizer",
+            f"{cut} of {len(texts)} texts are longer than the reward model's {limit} tokens and are cut before "
+            "scoring; shorten the responses or use a reward model with a longer context",
+            1,
+        )
+    else:
+        health.passed("reward_tokenizer", f"the first {len(texts)} texts read back through {which}, {share:.1%} lost")
 
 
 @dataclass(frozen=True)
@@ -183,6 +277,10 @@ class Monitors:
         self.streak: dict[Limit, int] = {}
 
     def __call__(self, row: dict[str, Any], step: int) -> None:
+        with self.health.timed():
+            self._check(row, step)
+
+    def _check(self, row: dict[str, Any], step: int) -> None:
         for lim in self.limits:
             value = row.get(lim.key)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -207,6 +305,46 @@ class Monitors:
             if lim.key in self.extreme:
                 word = "max" if lim.kind == "above" else "min"
                 self.health.passed(lim.guard, f"{lim.key} {word} {self.extreme[lim.key]:.3g}")
+
+
+class HackingGuard:
+    """Reward hacking: a held-out score (`score_name`) measured every few steps falls `drop` or more below
+    its first measurement while the training reward (fed each logged step) is above its first logged
+    values. `share`: the score is a share, shown as a percentage. `advice` is the way out it names."""
+
+    WINDOW = 5  # logged rewards averaged at each end: one step's reward is noisy
+
+    def __init__(self, health: Health, score_name: str, drop: float, advice: str, share: bool = True) -> None:
+        self.health, self.score_name, self.drop, self.advice = health, score_name, drop, advice
+        self.show = "{:.0%}" if share else "{:+.2f}"
+        self.rewards: list[float] = []
+        self.scores: list[tuple[int, float]] = []  # (step, score)
+
+    def reward(self, value: float) -> None:
+        if math.isfinite(value):
+            self.rewards.append(float(value))
+
+    def score(self, step: int, value: float) -> None:
+        """A held-out measurement at `step`; the first is the baseline."""
+        self.scores.append((step, value))
+        (step0, first), rewards = self.scores[0], self.rewards
+        if len(self.scores) < 2 or len(rewards) < 2:
+            return
+        k = min(self.WINDOW, len(rewards) // 2)
+        reward0, reward1 = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+        if value <= first - self.drop and reward1 > reward0:
+            self.health.failed(
+                "reward_hacking",
+                f"{self.score_name} fell {self.show.format(first)} -> {self.show.format(value)} (steps {step0} -> "
+                f"{step}) while the training reward rose {reward0:.3g} -> {reward1:.3g}: the policy games the "
+                f"reward; {self.advice}",
+                step,
+            )
+
+    def finish(self) -> None:
+        if self.scores:
+            path = " -> ".join(self.show.format(v) for _, v in self.scores)
+            self.health.passed("reward_hacking", f"{self.score_name} {path} at steps {[s for s, _ in self.scores]}")
 
 
 # Blocks a format reward expects the completion to open; a chat template that opens one itself (a

@@ -23,7 +23,15 @@ from fitrl import signals
 from fitrl.checkpoints import COMPLETE_FILE, check_checkpoint_files, checkpoint_root, stopped
 from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
-from fitrl.guards import GradientGuard, Health, Limit, Monitors, check_reward_signal, check_trainable
+from fitrl.guards import (
+    GradientGuard,
+    Health,
+    Limit,
+    Monitors,
+    check_reference,
+    check_reward_signal,
+    check_trainable,
+)
 from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
 from fitrl.outputs import METRICS_NAME, MetricsLog, metrics_callback, read_jsonl, write_jsonl
@@ -198,6 +206,27 @@ def guard_callback(health: Health, reward_std_key: str | None = None, limits: Se
             monitors.finish()
 
     return _Guards()
+
+
+def reference_guard(trainer: Any, health: Health, keys: Sequence[str], scale: float, unit: str) -> None:
+    """The `reference` guard on a trl trainer whose loss compares the policy with the adapter-off
+    reference: at the first optimizer step of a fresh run, before any update, trl's first measured
+    values of `keys` (DPO's beta-scaled log-ratios, GRPO's per-token KL) are ~0 once divided by `scale`.
+
+    It reads the trainer's per-step metric lists (`_metrics`, trl's own accumulator, kept until the
+    step's log): the logged row averages `logging_steps` steps, updates included."""
+    from transformers import TrainerCallback
+
+    class _Reference(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step != 1:  # a resumed run starts after updates
+                return
+            measured = getattr(trainer, "_metrics", {}).get("train", {})  # reading them costs nothing
+            values = [measured[k][0] / scale for k in keys if measured.get(k)]
+            if values:
+                check_reference(max(values, key=abs), health, 1, what=f"{' / '.join(keys)}", unit=unit)
+
+    trainer.add_callback(_Reference())
 
 
 def stop_callback(request: StopRequest) -> Any:

@@ -277,10 +277,3 @@ def soft_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]
 
 def accuracy_reward(completions: Sequence[Any], gold: Sequence[str], **kwargs: Any) -> list[float]:
     return [ACCURACY_REWARD if is_correct(completion_text(c), g) else 0.0 for c, g in zip(completions, gold)]
-
-
-REWARD_FUNCTIONS = {
-    "strict_format": strict_format_reward,
-    "soft_format": soft_format_reward,
-    "accuracy": accuracy_reward,
-}

@@ -175,6 +175,12 @@ class SentimentReward:
 LEXICON_JUDGE = "demo://lexicon"
 
 
+def check_judge(judge_model: str, positive_label: str, demo_cache_dir: str) -> None:
+    """Before any model loads: a judge is the demo's lexicon or a trained classifier with that label."""
+    if judge_model != LEXICON_JUDGE:
+        check_reward_label(resolve_model_path(judge_model, demo_cache_dir, "judge model"), positive_label)
+
+
 class SentimentJudge:
     """A second opinion the policy never trained against: +1 (positive), -1 (negative) or 0 per text.
 

@@ -31,7 +31,7 @@ from fitrl.config import entrypoint
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
-from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
@@ -105,6 +105,9 @@ def build(run: Run) -> None:
         processing_class=run.inputs.tokenizer,
         callbacks=trainer_callbacks(run.configs, run.metrics, run.step_peak, args.output_dir, run.out, run.health),
     )
+    # trl's first rewards are beta x each pair's log-ratio to the reference: per token of max_length here.
+    scale = args.beta * run.data_args.max_length
+    reference_guard(run.trainer, run.health, ["rewards/chosen", "rewards/rejected"], scale, "per token")
     quiet_progress(run.trainer)
 
 

@@ -30,12 +30,11 @@ from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
-    LEXICON_JUDGE,
     SentimentJudge,
     SentimentReward,
     build_queries,
+    check_judge,
     check_reward,
-    check_reward_label,
     corpus_vocabulary,
     corpus_word_share,
 )
@@ -107,10 +106,8 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     producer = made_by if made_by in POLICY_STAGES else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_cache_dir)
-    if args.judge_model and args.judge_model != LEXICON_JUDGE:
-        check_reward_label(
-            resolve_model_path(args.judge_model, demo_args.demo_cache_dir, "judge model"), args.judge_positive_label
-        )
+    if args.judge_model:
+        check_judge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir)
     return adapter_dir, model_path
 
 

@@ -1,9 +1,10 @@
 """GRPO on GSM8K: a LoRA adapter learns to reason in a fixed format and get the number right.
 
 The recipe that took Llama-3.2-1B-Instruct from about 19% to about 40% GSM8K accuracy in one epoch,
-set up to fit a 16 GB card. For each question the policy samples `num_generations` completions; three
-rewards (`fitrl.rewards`: strict format 0.5, soft format 0.5, accuracy 2.0) score them; each
-completion's advantage is its reward relative to its group's. trl's `GRPOTrainer` runs the loop;
+set up to fit a 16 GB card. For each question the policy samples `num_generations` completions; the
+rewards score them (by default GSM8K's three, `fitrl.rewards`: strict format 0.5, soft format 0.5,
+accuracy 2.0; `--reward_funcs` takes registry names or your own `module:function`, `fitrl.reward_funcs`);
+each completion's advantage is its reward relative to its group's. trl's `GRPOTrainer` runs the loop;
 fitrl loads the model (bf16, 8-bit or 4-bit base, frozen) and builds the prompts and rewards. With
 `beta > 0` the reference log-probs come from the same model with the adapter disabled.
 
@@ -11,6 +12,9 @@ fitrl loads the model (bf16, 8-bit or 4-bit base, frozen) and builds the prompts
     accelerate launch scripts/grpo_gsm8k.py --config configs/demo/grpo.yaml
     # Llama-3.2-1B-Instruct on one 16 GB card
     accelerate launch scripts/grpo_gsm8k.py --config configs/llama1b-16gb/grpo.yaml
+    # your own reward function beside GSM8K's accuracy, weighted
+    accelerate launch scripts/grpo_gsm8k.py --config configs/demo/grpo.yaml \
+        --reward_funcs accuracy my_rewards.py:brevity --reward_weights 1.0 0.2
     # continue a stopped run from its last checkpoint
     accelerate launch scripts/grpo_gsm8k.py --config configs/llama1b-16gb/grpo.yaml --resume_from_checkpoint latest
 
@@ -36,8 +40,8 @@ from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.guards import Health, check_prompts
-from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.guards import HackingGuard, Health, check_prompts, repetition
+from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
 from fitrl.modeling import (
@@ -51,9 +55,10 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
-from fitrl.rewards import REWARD_FUNCTIONS
+from fitrl.reward_funcs import Checked, format_only, reward_functions
+from fitrl.rewards import is_correct
 from fitrl.rollout import complete_chats
-from fitrl.stages.grpo import STAGE, GRPOArguments, monitors
+from fitrl.stages.grpo import REPETITION_KEY, STAGE, GRPOArguments, monitors
 
 # GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
 GRPO_SETTINGS = [
@@ -65,20 +70,14 @@ GRPO_SETTINGS = [
     "steps_per_generation",
     "generation_batch_size",
     "beta",
+    "reward_weights",
     "num_iterations",
     "epsilon",
     "loss_type",
     "use_vllm",
     "vllm_gpu_memory_utilization",
 ]
-CURVES = [
-    "reward",
-    "rewards/accuracy_reward/mean",
-    "rewards/strict_format_reward/mean",
-    "rewards/soft_format_reward/mean",
-    "completions/mean_length",
-    "kl",
-]
+CURVES = ["reward", "heldout/accuracy", "completions/mean_length", "kl"]  # and each reward function's mean
 
 
 @dataclass
@@ -93,6 +92,7 @@ class Run:
     model_path: str
     tokenizer: Any
     dataset: Any  # problems with their chat prompts
+    reward_funcs: list[Checked]
     details: dict[str, Any]  # what preflight found, for run_info.json
     resume: str | None
     checkpoints_existed: bool
@@ -101,6 +101,7 @@ class Run:
     out: Path | None = None
     trainer: Any = None
     metrics: MetricsLog | None = None
+    heldout: Any = None  # the problems the reward-hacking guard grades (None: that guard is off)
     shown: Any = None  # the problems whose greedy completions are shown before and after
     samples_before: list[str] = field(default_factory=list)
     step_peak: StepPeak = field(default_factory=StepPeak)
@@ -125,6 +126,8 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     )
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    health = Health(strict=args.strict_guards)
+    reward_funcs = reward_functions(args.reward_funcs, observe=lambda ids, log: log_repetition(ids, log, health))
     problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code, padding_side="left")
     plain_template = ensure_chat_template(tokenizer)
@@ -138,8 +141,11 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         "dropped_long_prompts": n_too_long,
         "plain_chat_template": plain_template,
     }
-    run = Run(*configs, model_path, tokenizer, dataset, details, str(resume) if resume else None, checkpoints_existed)
-    run.health.strict = args.strict_guards
+    resume_path = str(resume) if resume else None
+    run = Run(*configs, model_path, tokenizer, dataset, reward_funcs, details, resume_path, checkpoints_existed)
+    run.health = health
+    check_reward_kinds(args, run.health)
+    run.heldout = heldout_problems(run)
     total = len(dataset) + n_too_long
     check_prompts(
         render_prompt(tokenizer, dataset[0]["prompt"]), n_too_long, total, data_args.max_prompt_length, run.health
@@ -173,23 +179,28 @@ def build(run: Run) -> None:
     set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
     run.trainer = GRPOTrainer(
         model=model,
-        reward_funcs=list(REWARD_FUNCTIONS.values()),
+        reward_funcs=run.reward_funcs,
         args=run.training_args,
         train_dataset=run.dataset,
         processing_class=run.tokenizer,
         peft_config=peft_config,
-        callbacks=trainer_callbacks(
-            run.configs,
-            run.metrics,
-            run.step_peak,
-            args.output_dir,
-            run.out,
-            run.health,
-            extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)},
-            reward_std_key="reward_std",
-            limits=monitors(args),
-        ),
+        callbacks=[
+            *([heldout_callback(run)] if run.heldout is not None else []),  # first: its figure reaches the log
+            *trainer_callbacks(
+                run.configs,
+                run.metrics,
+                run.step_peak,
+                args.output_dir,
+                run.out,
+                run.health,
+                extra=lambda: {"peak_memory_mb": round(peak_memory_mb(), 1)},
+                reward_std_key="reward_std",
+                limits=monitors(args),
+            ),
+        ],
     )
+    if args.beta > 0:  # the KL to the adapter-off reference, per token
+        reference_guard(run.trainer, run.health, ["kl"], 1.0, "per token")
     keep_adapter_in_float32(run.trainer, run.model_args)
     quiet_progress(run.trainer)
 
@@ -224,7 +235,7 @@ def finish(run: Run) -> None:
         trainable_parameters=sum(p.numel() for p in policy.parameters() if p.requires_grad),
         memory=memory_report(run.planned_peak_mb, run.step_peak),
         metrics=run.metrics.rows,
-        curves=CURVES,
+        curves=[*CURVES[:1], *(f"rewards/{f.__name__}/mean" for f in run.reward_funcs), *CURVES[1:]],
         plot=STAGE.plot,
         title=f"GRPO: {run.model_args.model_name_or_path}",
         summary=f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k}) in {args.output_dir}",
@@ -234,6 +245,94 @@ def finish(run: Run) -> None:
         samples=(STAGE.samples, samples_markdown("Greedy completions before and after GRPO", {"samples": rows})),
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
+
+
+def log_repetition(completion_ids: list[list[int]], log_metric: Any, health: Health) -> None:
+    """Each batch's repeated 3-gram share, logged beside trl's metrics for the repetition monitor."""
+    with health.timed():
+        value = repetition(completion_ids)
+    if value == value:  # NaN: no completion long enough to repeat itself
+        log_metric(REPETITION_KEY, value)
+
+
+def heldout_problems(run: Run) -> Any:
+    """The problems the reward-hacking guard grades: `guard_heldout_split` of the data, never trained on."""
+    args, data_args = run.args, run.data_args
+    if args.guard_heldout_every == 0:
+        run.health.passed("reward_hacking", "not run: guard_heldout_every is 0")
+        return None
+    if Path(data_args.dataset).expanduser().is_file():  # one file is one split: nothing held out
+        run.health.passed("reward_hacking", "not run: one data file has no held-out split (give a directory)")
+        return None
+    heldout = dataclasses.replace(
+        data_args, dataset_split=args.guard_heldout_split, max_samples=args.guard_heldout_problems
+    )
+    try:
+        problems, _ = load_problems(heldout, run.demo_args.demo_cache_dir)
+    except UsageError as e:
+        raise UsageError(f"{e}; set guard_heldout_split to a held-out split, or guard_heldout_every 0") from None
+    dataset, _ = add_prompts(problems, run.tokenizer, data_args.system_prompt, data_args.max_prompt_length)
+    return dataset
+
+
+def heldout_callback(run: Run) -> Any:
+    """The reward-hacking guard on trl's loop: held-out accuracy (greedy) at the start and every
+    `guard_heldout_every` steps, logged as `heldout/accuracy`, against the logged training reward."""
+    from transformers import TrainerCallback
+
+    args = run.args
+    guard = HackingGuard(
+        run.health, "held-out accuracy", args.guard_heldout_drop, "check what the rewards pay for, or set beta > 0"
+    )
+
+    def accuracy(model: Any) -> float:
+        # batches no larger than the training's generation batch, which the memory plan holds
+        size = min(16, args.per_device_train_batch_size)
+        completions = complete_chats(
+            model, run.tokenizer, run.heldout["prompt"], args.max_completion_length, batch_size=size
+        )
+        return sum(is_correct(c[0], g) for c, g in zip(completions, run.heldout["gold"])) / len(completions)
+
+    class _Heldout(TrainerCallback):
+        pending: float | None = None  # measured at a step's end, logged with that step's row
+
+        def measure(self, model: Any, step: int) -> None:
+            with run.health.timed():
+                self.pending = accuracy(model)
+                guard.score(step, self.pending)
+
+        def on_train_begin(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            self.measure(model, state.global_step)
+
+        def on_step_end(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step % args.guard_heldout_every == 0:
+                self.measure(model, state.global_step)
+
+        def on_log(self, args_: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
+            if logs is not None and "reward" in logs:
+                guard.reward(logs["reward"])
+                if self.pending is not None:
+                    logs["heldout/accuracy"], self.pending = self.pending, None
+
+        def on_train_end(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
+            guard.finish()
+
+    return _Heldout()
+
+
+def check_reward_kinds(args: GRPOArguments, health: Health) -> None:
+    """Rewards that score only the format, with no KL term to hold the policy near its start, are gamed:
+    an empty reasoning block and a bare number earn them in full (FAI-RL#96)."""
+    if format_only(args.reward_funcs) and args.beta == 0:
+        health.failed(
+            "format_only",
+            f"every reward ({', '.join(args.reward_funcs)}) scores only the format and beta is 0: the policy "
+            "usually learns the format with empty or made-up content; add a reward for the content (accuracy) "
+            "or set beta > 0",
+            0,
+        )
+    else:
+        health.passed("format_only", f"rewards {', '.join(args.reward_funcs)}, beta {args.beta:g}")
 
 
 def keep_adapter_in_float32(trainer: Any, model_args: ModelArguments) -> None:

@@ -49,7 +49,17 @@ from fitrl.config import (
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
-from fitrl.guards import GradientGuard, Health, Monitors, check_reference, check_reward_signal, check_trainable
+from fitrl.guards import (
+    GradientGuard,
+    HackingGuard,
+    Health,
+    Monitors,
+    check_reference,
+    check_reward_signal,
+    check_reward_tokenizer,
+    check_trainable,
+    repetition,
+)
 from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
 from fitrl.modeling import (
     LoraArguments,
@@ -68,7 +78,15 @@ from fitrl.rollout import (
     generation_batch,
     sample_responses,
 )
-from fitrl.sentiment import PromptArguments, RewardArguments, SentimentReward, build_queries, check_reward
+from fitrl.sentiment import (
+    PromptArguments,
+    RewardArguments,
+    SentimentJudge,
+    SentimentReward,
+    build_queries,
+    check_judge,
+    check_reward,
+)
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
 
 
@@ -106,6 +124,9 @@ class Run:
     health: Health = dataclasses.field(default_factory=Health)  # what the guards saw
     gradients: GradientGuard | None = None
     monitors: Monitors | None = None  # the in-run guards on each step's metrics
+    judge: SentimentJudge | None = None  # the reward-hacking guard's second opinion (guard_judge_model)
+    judge_queries: list[list[int]] = dataclasses.field(default_factory=list)  # its held-out prompts
+    hacking: HackingGuard | None = None
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +199,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         project_config=logs,
     )
     run = Run(*configs, accelerator, model_path, tokenizer, queries, resume)
+    run.judge_queries = judge_queries(run)
     run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, accelerator.num_processes)
     return run
 
@@ -200,6 +222,10 @@ def build(run: Run) -> None:
     if run.reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
         run.reward = AdapterReward(
             model.policy, run.reward_args.reward_adapter, run.tokenizer, run.reward_args.reward_batch_size
+        )
+    if run.judge_queries:
+        run.judge = SentimentJudge(
+            args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_cache_dir, run.device
         )
     run.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     run.frozen_digest = tensor_digest(run.frozen) if args.verify_frozen_base else None
@@ -270,10 +296,57 @@ def prepare(run: Run) -> None:
     check_trainable(run.unwrapped, run.health)
     run.gradients = GradientGuard(run.health, sharded=run.accelerator.distributed_type in ("DEEPSPEED", "FSDP"))
     run.monitors = Monitors(run.health, monitors(run.args))
+    if run.judge is not None:
+        advice = "check what the reward model pays for, or raise init_kl_coef"
+        run.hacking = HackingGuard(
+            run.health, "the judge's mean verdict", run.args.guard_judge_drop, advice, share=False
+        )
     if run.args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
         flat = config_dict(*run.configs)
         hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
         run.accelerator.init_trackers("fitrl-ppo", hparams)
+
+
+def judge_queries(run: Run) -> list[list[int]]:
+    """The held-out prompts the reward-hacking guard's judge reads responses to (none: that guard is off)."""
+    args, prompt_args = run.args, run.prompt_args
+    if not args.guard_judge_model:
+        run.health.passed("reward_hacking", "not run: no guard_judge_model")
+        return []
+    if Path(prompt_args.dataset).expanduser().is_file():  # one file is one split: nothing held out
+        run.health.passed("reward_hacking", "not run: one prompt file has no held-out split (give a directory)")
+        return []
+    check_judge(args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_cache_dir)
+    heldout = dataclasses.replace(
+        prompt_args, dataset_split=args.guard_judge_split, max_prompts=args.guard_judge_prompts
+    )
+    try:
+        return build_queries(run.tokenizer, heldout, run.demo_args.demo_cache_dir, args.seed)
+    except UsageError as e:
+        raise UsageError(f"{e}; set guard_judge_split to a held-out split, or leave guard_judge_model empty") from None
+
+
+def judge_reading(run: Run, step: int) -> float:
+    """The judge's mean verdict on the policy's responses to the held-out prompts: the same prompts,
+    lengths and sampling seed at every reading, so only the policy changes between them."""
+    args, low, high = run.args, run.prompt_args.response_min_tokens, run.prompt_args.response_max_tokens
+    torch.manual_seed(args.seed)
+    lengths = torch.randint(low, high + 1, (len(run.judge_queries),)).tolist()
+    size = generation_batch(args.generation_batch_size, args.forward_batch_size, args.batch_size)
+    texts = []
+    for c in range(0, len(run.judge_queries), size):
+        part = sample_responses(
+            run.unwrapped.policy,
+            run.tokenizer,
+            run.judge_queries[c : c + size],
+            lengths[c : c + size],
+            run.prompt_args.stop_at_eos,
+            run.device,
+        )
+        texts += [q + r for qs, rs in [decode(run.tokenizer, part)] for q, r in zip(qs, rs)]
+    verdict = run.judge(texts).mean().item()
+    run.hacking.score(step, verdict)
+    return verdict
 
 
 # --- the phases of one step -----------------------------------------------------------------------
@@ -316,6 +389,11 @@ def score(run: Run, rollouts: list[Rollout], step: int) -> tuple[torch.Tensor, t
     texts = [decode(run.tokenizer, r) for r in rollouts]
     q_texts = [q for qs, _ in texts for q in qs]
     r_texts = [r for _, rs in texts for r in rs]
+    if step == 0:
+        with run.health.timed():
+            check_reward_tokenizer(
+                [q + r for q, r in zip(q_texts, r_texts)], run.tokenizer, run.reward.tokenizer, run.health
+            )
     raw = run.reward([q + r for q, r in zip(q_texts, r_texts)]).to(run.device)  # (B,)
     if not torch.isfinite(raw).all():
         raise stopped("non-finite reward", step + 1, args)
@@ -337,8 +415,10 @@ def log_step(
     raw_scores: torch.Tensor,
     stats: UpdateStats,
     timings: dict[str, float],
+    judged: float | None = None,
 ) -> dict[str, Any]:
-    """Phase 5: update the KL controller, and log the step's metrics reduced over ranks."""
+    """Phase 5: update the KL controller, and log the step's metrics reduced over ranks (`judged`: the
+    reward-hacking guard's reading, when this step made one)."""
     accelerator, world, mask = run.accelerator, run.accelerator.num_processes, exp.response_mask
     mean_kl = accelerator.reduce((exp.kl * mask).sum(1).mean(), "mean").item()
     run.kl_ctl.update(mean_kl, run.args.batch_size * world)
@@ -349,10 +429,11 @@ def log_step(
             (non_score.sum(1)).mean().item(),
             mask.sum(1).float().mean().item(),
             ppo.explained_variance(exp.values, exp.returns, mask),
+            response_repetition(exp, run.health),
         ],
         device=run.device,
     )
-    ent, non_score_mean, resp_len, expl_var = accelerator.reduce(local, "mean").tolist()
+    ent, non_score_mean, resp_len, expl_var, repeated = accelerator.reduce(local, "mean").tolist()
     n_tokens = mask.sum().item() * world
     row = {
         "step": step + 1,
@@ -371,12 +452,16 @@ def log_step(
         "ppo/skipped_batches": stats.skipped,
         "ppo/explained_variance": expl_var,
         "env/response_length": resp_len,
+        "env/repetition": repeated,
+        **({"heldout/judge_mean": judged} if judged is not None else {}),
         **timings,
         "tokens_per_second": n_tokens / max(sum(timings.values()), 1e-9),
         "memory/gpu_peak_mb": gpu_peak_mb(),
     }
     run.metrics.log(row)
     run.monitors(row, step + 1)
+    if run.hacking is not None:
+        run.hacking.reward(row["env/reward_mean"])
     accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step + 1)
     if mean_kl < -1 and not run.warned_negative_kl and accelerator.is_main_process:
         run.warned_negative_kl = True
@@ -386,6 +471,14 @@ def log_step(
             stacklevel=1,
         )
     return row
+
+
+def response_repetition(exp: Experience, health: Health) -> float:
+    """The responses' repeated 3-gram share (`fitrl.guards.repetition`); 0 when none is long enough."""
+    with health.timed():
+        responses = exp.input_ids[:, exp.query_len :]
+        value = repetition([ids[m.bool()].tolist() for ids, m in zip(responses, exp.response_mask)])
+    return 0.0 if value != value else value
 
 
 def keep_samples(run: Run, step: int, q_texts: list[str], r_texts: list[str], raw_scores: torch.Tensor) -> None:
@@ -407,6 +500,10 @@ def first_step_guards(run: Run, exp: Experience, raw_scores: torch.Tensor) -> No
 
 def train_step(run: Run, step: int) -> dict[str, Any]:
     """One PPO step, phase by phase, timed."""
+    judged = None
+    if run.hacking is not None and step == run.start_step:
+        with run.health.timed():
+            judged = judge_reading(run, step)
     torch.manual_seed(step_seed(run.args.seed, step, run.accelerator.process_index))
     if step == run.start_step + 1:  # the second step of this process: the optimizer states exist by then
         held = [*run.unwrapped.parameters(), *run.unwrapped.buffers(), *optimizer_state_tensors(run.optimizer)]
@@ -420,14 +517,18 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         run.unwrapped, rollouts, scores, run.kl_ctl.value, run.args, run.tokenizer.pad_token_id
     )
     if step == 0:
-        first_step_guards(run, exp, raw_scores)
+        with run.health.timed():
+            first_step_guards(run, exp, raw_scores)
     timings["time/forward"], t0 = time.perf_counter() - t0, time.perf_counter()
     stats = ppo_update(run.model, run.optimizer, run.accelerator, exp, run.args, lambda: run.gradients(run.unwrapped))
     if not stats.finite:
         raise stopped("non-finite loss", step + 1, run.args)
     timings["time/optimise"] = time.perf_counter() - t0
     run.step_peak.stop()
-    row = log_step(run, step, exp, non_score, raw_scores, stats, timings)
+    if run.hacking is not None and (step + 1) % run.args.guard_judge_every == 0:
+        with run.health.timed():
+            judged = judge_reading(run, step + 1)
+    row = log_step(run, step, exp, non_score, raw_scores, stats, timings, judged)
     keep_samples(run, step, q_texts, r_texts, raw_scores)
     if run.args.save_steps and (step + 1) % run.args.save_steps == 0:
         save_checkpoint(run, step + 1)
@@ -462,6 +563,8 @@ def finish(run: Run) -> None:
         torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
 
     run.monitors.finish()
+    if run.hacking is not None:
+        run.hacking.finish()
     rewards = [r["env/reward_mean"] for r in run.metrics.rows]
     value_head = {f"value_head.{k}": v for k, v in unwrapped.value_head.state_dict().items()}
     end = TrainingEnd(
@@ -475,7 +578,7 @@ def finish(run: Run) -> None:
         trainable_parameters=sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
         memory=memory_report(run.planned_peak_mb, run.step_peak),
         metrics=run.metrics.rows,
-        curves=["env/reward_mean", "objective/kl", "objective/kl_coef", "ppo/value_loss"],
+        curves=["env/reward_mean", "heldout/judge_mean", "objective/kl", "objective/kl_coef", "ppo/value_loss"],
         plot=STAGE.plot,
         title=f"PPO on {run.model_args.model_name_or_path}",
         summary=f"PPO done: reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(rewards)} steps",

@@ -113,16 +113,27 @@ def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_ru
     """A clean run shows every guard passed, per training stage, in run_info.json and the report."""
     from fitrl import stages
 
-    # SFT, RM, DPO: trainable, gradients; PPO: also reference, reward_signal, kl, entropy, clipping;
-    # GRPO: also template, prompt_length, reward_signal, entropy, length (its kl is logged only with
-    # beta > 0: the demo's is 0)
-    expected = {"sft": 2, "rm": 2, "ppo": 7, "dpo": 2, "grpo": 7}
+    every = {"trainable", "gradients"}
+    policy = {"reward_signal", "entropy", "repetition", "reward_hacking"}
+    expected = {
+        "sft": every,
+        "rm": every,
+        "dpo": every | {"reference"},
+        "ppo": every | policy | {"reward_tokenizer", "reference", "kl", "clipping"},
+        # GRPO's kl and reference need beta > 0: the demo's is 0
+        "grpo": every | policy | {"format_only", "template", "prompt_length", "length"},
+    }
     report = (demo_run / "report.md").read_text()
-    for name, count in expected.items():
-        health = load_run_info(demo_run / stages.get(name).output_dir)["health"]
-        assert len(health) == count and all(v["passed"] for v in health.values()), (name, health)
+    for name, guards in expected.items():
+        info = load_run_info(demo_run / stages.get(name).output_dir)
+        health = info["health"]
+        assert set(health) == guards and all(v["passed"] for v in health.values()), (name, health)
         assert f"guards passed: {', '.join(health)}" in report
+        assert 0 < info["guard_seconds"]
     assert "fired at step" not in report
+    # the reward-hacking guard read its held-out score through the run: at the start and every N steps
+    assert load_run_info(demo_run / "ppo")["health"]["reward_hacking"]["saw"].endswith("at steps [0, 20, 40, 60]")
+    assert load_run_info(demo_run / "grpo")["health"]["reward_hacking"]["saw"].endswith("at steps [0, 50, 100]")
 
 
 @pytest.mark.slow

@@ -60,7 +60,10 @@ def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_cache: Pa
     [
         ([{"question": "q", "solution": "#### 4"}], "no column 'answer'"),
         ([{"prompt": "q", "answer": "#### 4"}], "no column 'question'"),
-        ([{"question": "q", "answer": "#### 4"}, {"question": "q2", "answer": "4"}], "row 1: answer has no '####"),
+        (
+            [{"question": "q", "answer": "#### 4"}, {"question": "q2", "answer": "four"}],
+            "row 1: answer 'four' is neither",
+        ),
         ([{"question": "q", "answer": "#### four"}], "no row has a numeric gold"),
     ],
 )
@@ -68,6 +71,16 @@ def test_bad_gsm8k_data_is_a_usage_error(tmp_path: Path, demo_cache: Path, rows:
     args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", rows)))
     with pytest.raises(UsageError, match=message):
         load_problems(args, str(demo_cache))
+
+
+def test_plain_numeric_answers_in_columns_of_other_names_are_read(tmp_path: Path, demo_cache: Path) -> None:
+    """A user's own question/answer data: the answer a bare number (text or numeric), the columns named."""
+    rows = [{"q": "What is 2 + 2?", "a": 4, "id": 1}, {"q": "Half of 7?", "a": "3.5", "id": 2}]
+    args = GSM8KDataArguments(
+        dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)), question_column="q", answer_column="a"
+    )
+    ds, skipped = load_problems(args, str(demo_cache))
+    assert ds["question"] == ["What is 2 + 2?", "Half of 7?"] and ds["gold"] == ["4", "3.5"] and not skipped
 
 
 def test_prompts_use_the_system_message_and_long_ones_are_dropped(demo_root: Path, demo_cache: Path) -> None:
@@ -318,6 +331,9 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
         (["--resume_from_checkpoint", "latest"], "no complete checkpoint to resume"),
         (["--max_samples", "4", "--max_steps", "-1"], "4 problems fill less than one optimizer step"),
         (["--loss_type", "ppo"], "invalid choice: 'ppo'"),
+        (["--reward_funcs", "accurcy"], "reward_funcs: unknown reward 'accurcy'; give a registry name"),
+        (["--reward_funcs", "accuracy", "--reward_weights", "1", "2"], "invalid value for 'reward_weights'"),
+        (["--guard_heldout_split", "validation"], "set guard_heldout_split to a held-out split, or guard_heldout"),
     ],
 )
 def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[str], message: str) -> None:
@@ -338,8 +354,8 @@ def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[st
 
 
 @pytest.mark.parametrize("script", ["grpo_gsm8k.py", "evaluate_gsm8k.py"])
-def test_scripts_reject_data_without_gsm8k_answers(tmp_path: Path, demo_cache: Path, script: str) -> None:
-    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "4"}])
+def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_cache: Path, script: str) -> None:
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "about four"}])
     config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
     result = run_script(
         script,
@@ -354,7 +370,7 @@ def test_scripts_reject_data_without_gsm8k_answers(tmp_path: Path, demo_cache: P
         *extra,
     )
     assert result.returncode == 2
-    assert "row 0: answer has no '#### <number>' line" in error_line(result)
+    assert "row 0: answer 'about four' is neither a number nor a solution ending '#### <number>'" in error_line(result)
     assert not (tmp_path / "out").exists()
 
 
@@ -376,9 +392,8 @@ def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_cache: Path) ->
 
 def test_a_missing_gsm8k_column_says_which_columns_are_needed(tmp_path: Path, demo_cache: Path) -> None:
     args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", [{"q": "What is 2 + 2?"}])))
-    with pytest.raises(UsageError, match="needs 'question' and 'answer' columns") as info:
+    with pytest.raises(UsageError, match="no column 'question'.*set question_column and answer_column"):
         load_problems(args, str(demo_cache))
-    assert "pick the right column" not in str(info.value)  # GRPO has no column setting to pick
 
 
 @pytest.mark.slow
@@ -529,6 +544,58 @@ def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
     assert code == 1, err[-2000:]
     assert "error: guard 'template' at step 0: the chat template ends each prompt with <reasoning>" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_format_only_rewards_without_a_kl_term_are_named_before_any_step(
+    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """trl's default beta 0 with rewards that only score the format: the policy games the format with
+    empty content (FAI-RL#96). With strict_guards the run stops before the model loads."""
+    args = ["--reward_funcs", "strict_format", "soft_format", "--beta", "0", "--strict_guards", "true"]
+    code = _grpo_main(tmp_path / "run", demo_cache, *args)
+    err = capsys.readouterr().err
+    assert code == 1, err[-2000:]
+    assert (
+        "error: guard 'format_only' at step 0: every reward (strict_format, soft_format) scores only the format" in err
+    )
+    assert not (tmp_path / "run").exists()
+
+
+# A reward a user might write by mistake: it pays for repeating a word the reasoner uses ("Mia has ...").
+REPEATED_WORD_REWARD = """
+def repeat_word(completions, **kwargs):
+    texts = [c[0]["content"] for c in completions]  # chat completions: one assistant message each
+    return [min(t.split().count("has"), 8) / 4 for t in texts]
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(tmp_path: Path, demo_cache: Path) -> None:
+    """The user's own reward function, in a module of its own in the working directory, with no content
+    reward: the training reward rises while held-out accuracy falls and completions loop on the word.
+
+    Measured on this demo (lr 2e-3, 20 steps, graded at steps 0/10/20), seeds 42 / 1 / 2: held-out
+    accuracy 28% -> 0% / 0% / 0% at step 20 (the guard needs a 10-point fall); seq-rep-3 peaks 0.41 /
+    0.58 / 0.40 against the test's 0.15 (5 steps in a row; the clean demo run's peak is 0.02)."""
+    (tmp_path / "my_rewards.py").write_text(REPEATED_WORD_REWARD)
+    out = tmp_path / "run"
+    result = run_script(
+        "grpo_gsm8k.py",
+        *["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out],
+        *["--reward_funcs", "my_rewards:repeat_word", "--learning_rate", "2e-3", "--max_steps", "20"],
+        *["--guard_heldout_every", "10", "--guard_repetition_max", "0.15", "--num_samples_to_show", "0"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    health = json.loads((out / "run_info.json").read_text())["health"]
+    assert not health["reward_hacking"]["passed"], health["reward_hacking"]
+    assert "held-out accuracy fell " in health["reward_hacking"]["saw"]
+    assert not health["repetition"]["passed"] and health["format_only"]["passed"]
+    rows = read_jsonl(out / "metrics.jsonl")
+    readings = [r["heldout/accuracy"] for r in rows if "heldout/accuracy" in r]
+    assert len(readings) == 3 and readings[-1] <= readings[0] - 0.1  # steps 0, 10, 20
+    assert "rewards/repeat_word/mean" in rows[0]
+    assert "guard 'reward_hacking' at step" in result.stderr  # warned once, the run went on
 
 
 @pytest.mark.slow

@@ -185,3 +185,92 @@ def test_the_in_run_monitors_fire_once_on_their_limits_and_record_the_rest() -> 
     ]
     assert health.seen["kl"] == {"passed": True, "saw": "objective/kl max 6"}
     assert "off" not in health.seen  # an infinite limit is off
+
+
+def test_repetition_is_the_share_of_repeated_ngrams() -> None:
+    """seq-rep-3 by hand: (1,2,3,1,2,3) has 4 trigrams, 3 distinct: 1/4; five 5s: 3 trigrams, 1 distinct: 2/3."""
+    from fitrl.guards import repetition
+
+    assert repetition([[1, 2, 3, 1, 2, 3], [1, 2, 3, 4], [5, 5, 5, 5, 5], [7, 8, 9]]) == pytest.approx(
+        (0.25 + 0.0 + 2 / 3) / 3
+    )
+    assert repetition([[1, 2], [3]]) != repetition([[1, 2], [3]])  # NaN: none long enough to repeat itself
+
+
+def test_the_hacking_guard_fires_when_the_held_out_score_falls_as_the_reward_rises() -> None:
+    from fitrl.guards import HackingGuard
+
+    health = Health()
+    guard = HackingGuard(health, "held-out accuracy", 0.1, "check the rewards")
+    guard.score(0, 0.30)
+    for r in [0.2, 0.2, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1]:
+        guard.reward(r)
+    guard.score(10, 0.25)  # a 5-point fall: under the 10 points that fire
+    assert "reward_hacking" not in health.seen
+    with pytest.warns(UserWarning, match=r"held-out accuracy fell 30% -> 15% \(steps 0 -> 20\) while the training "):
+        guard.score(20, 0.15)
+    assert health.seen["reward_hacking"]["step"] == 20
+    # the same fall while the reward fell too is a policy getting worse, not gaming its reward
+    calm, falling = Health(), HackingGuard(Health(), "x", 0.1, "")
+    falling.health = calm
+    falling.score(0, 0.3)
+    for r in [1.0, 0.9, 0.8, 0.7]:
+        falling.reward(r)
+    falling.score(10, 0.1)
+    falling.finish()
+    assert calm.seen["reward_hacking"] == {"passed": True, "saw": "x 30% -> 10% at steps [0, 10]"}
+
+
+def _word_tokenizer(words: list[str], max_length: int = 512) -> object:
+    """A word-level tokenizer knowing only `words` (the rest reads as [UNK]), as a reward model's might."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", *words])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]", model_max_length=max_length
+    )
+
+
+def test_the_reward_tokenizer_round_trip_names_texts_it_cannot_read_or_cuts() -> None:
+    from fitrl.guards import check_reward_tokenizer
+
+    texts = ["this film is great", "a dull film", "great acting", "this is dull"]
+    full = _word_tokenizer(["this", "film", "is", "great", "a", "dull", "acting"])
+    health = Health()
+    check_reward_tokenizer(texts, full, full, health)
+    assert health.seen["reward_tokenizer"] == {
+        "passed": True,
+        "saw": "the first 4 texts read back through the policy's own tokenizer, 0.0% lost",
+    }
+    narrow = _word_tokenizer(["this", "film", "is", "a"])  # no opinion words: the reward model reads [UNK]
+    with pytest.warns(
+        UserWarning,
+        match=r"tokenizer \(its own tokenizer \(6 tokens\)\) loses 53.3% of the first batch's characters: "
+        r"'great acting' reads as '\[UNK\] \[UNK\]'",  # 24 of 45 characters, spaces aside
+    ):
+        check_reward_tokenizer(texts, full, narrow, Health())
+    short = _word_tokenizer(["this", "film", "is", "great", "a", "dull", "acting"], max_length=3)
+    with pytest.warns(UserWarning, match="1 of 4 texts are longer than the reward model's 3 tokens and are cut"):
+        check_reward_tokenizer(texts, full, short, Health())
+
+
+def test_the_reference_guard_reads_trls_first_measured_log_ratios() -> None:
+    """DPO's and GRPO's step-0 check: trl's first per-step values, before any update, are ~0."""
+    from fitrl.hf_trainer import reference_guard
+
+    def first_step(values: dict, step: int = 1, health: Health | None = None) -> Health:
+        health = health or Health()
+        trainer = SimpleNamespace(_metrics={"train": values}, callbacks=[])
+        trainer.add_callback = trainer.callbacks.append
+        reference_guard(trainer, health, ["rewards/chosen", "rewards/rejected"], 0.1 * 50, "per token")
+        trainer.callbacks[0].on_step_end(None, SimpleNamespace(global_step=step), None)
+        return health
+
+    same = first_step({"rewards/chosen": [0.0, 0.4], "rewards/rejected": [1e-7]})  # later values: after updates
+    assert same.seen["reference"]["passed"]
+    with pytest.raises(RunFailed, match=r"guard 'reference' at step 1: rewards/chosen / rewards/rejected is -0.0400"):
+        first_step({"rewards/chosen": [0.01], "rewards/rejected": [-0.2]}, health=Health(strict=True))
+    assert first_step({"rewards/chosen": [5.0]}, step=7).seen == {}  # a resumed run: updates came before

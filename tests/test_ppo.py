@@ -115,6 +115,7 @@ def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo
         (["--kl_estimator", "huge"], "invalid choice"),
         # a causal LM has the label LABEL_0 too, but its classification head would be random
         (["--reward_model", "demo://lm", "--positive_label", "LABEL_0"], "not a trained sequence classifier"),
+        (["--guard_judge_model", "demo://classifier", "--guard_judge_positive_label", "GOOD"], "has no label 'GOOD'"),
     ],
 )
 def test_bad_config_exits_2(tmp_path: Path, demo_cache: Path, extra: list[str], message: str) -> None:
@@ -214,13 +215,16 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
     assert result.stderr.count("guard 'reward_signal' at step 1: the reward is constant on the first batch") == 1
     health = load_run_info(out)["health"]
     assert {k: v["passed"] for k, v in health.items()} == {
+        "reward_hacking": True,  # one reading of the judge (at step 0): nothing to compare yet
         "trainable": True,
+        "reward_tokenizer": True,
         "reference": True,  # the policy is its reference before any update: KL ~0
         "reward_signal": False,
         "gradients": True,
         "kl": True,  # the in-run monitors, with the extreme each saw
         "entropy": True,
         "clipping": True,
+        "repetition": True,
     }, health
     stopped = _ppo(tmp_path / "strict", demo_cache, *SMALL, "--steps", "2", "--reward_model", constant,
                    "--strict_guards", "true")  # fmt: skip
@@ -229,6 +233,30 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
         stopped
     )
     assert not (tmp_path / "strict").exists()
+
+
+@pytest.mark.slow
+def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path: Path, demo_cache: Path) -> None:
+    """The reward is the classifier's NEGATIVE logit while the guard's judge (the same classifier, read for
+    POSITIVE) wants the opposite: the training reward rises while the judge's mean verdict on held-out
+    prompts falls, and the guard names it (the run goes on: strict_guards is off).
+
+    Measured here (lr 2e-3, KL coefficient 0.05, judged at steps 0/10/20), seeds 0 / 1 / 2: the verdict
+    fell 0.76 / 0.43 by step 10 and 0.25 by step 20, against the test's 0.1 (the default is 0.2)."""
+    out = tmp_path / "run"
+    result = _ppo(
+        out,
+        demo_cache,
+        *["--steps", "20", "--learning_rate", "2e-3", "--init_kl_coef", "0.05", "--positive_label", "NEGATIVE"],
+        *["--guard_judge_model", "demo://classifier", "--guard_judge_every", "10", "--guard_judge_drop", "0.1"],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    health = load_run_info(out)["health"]
+    assert not health["reward_hacking"]["passed"], health["reward_hacking"]
+    assert "the judge's mean verdict fell " in health["reward_hacking"]["saw"]
+    assert health["reward_tokenizer"]["passed"] and health["repetition"]["passed"]
+    readings = [r["heldout/judge_mean"] for r in read_jsonl(out / "metrics.jsonl") if "heldout/judge_mean" in r]
+    assert len(readings) == 3 and min(readings[1:]) <= readings[0] - 0.1
 
 
 @pytest.mark.slow

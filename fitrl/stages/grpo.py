@@ -15,6 +15,7 @@ from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.guards import Limit
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
+from fitrl.reward_funcs import DEFAULT_REWARDS
 from fitrl.stages.base import (
     STRICT_GUARDS_HELP,
     Configs,
@@ -29,6 +30,8 @@ from fitrl.stages.base import (
     start_end,
 )
 from fitrl.workload import Workload
+
+REPETITION_KEY = "completions/repetition"  # logged by the first reward function (scripts/grpo_gsm8k.py)
 
 
 @dataclass
@@ -65,6 +68,14 @@ class GRPOArguments:
     num_iterations: int = help_field(1, "Passes over each generated batch (GRPO's mu); > 1 clips the ratio.")
     epsilon: float = help_field(0.2, "Clip range of the policy ratio when num_iterations > 1.")
     beta: float = help_field(0.0, "KL penalty to the reference (adapter off); 0 skips the reference pass entirely.")
+    reward_funcs: list[str] = help_field(
+        list(DEFAULT_REWARDS),
+        "Rewards, each a registry name (strict_format, soft_format, accuracy), module:function or "
+        "path/to/file.py:function, called with the completions and the dataset's columns (fitrl.reward_funcs).",
+    )
+    reward_weights: list[float] | None = help_field(
+        None, "Weight of each reward in reward_funcs' order in the sum GRPO learns from (empty: all 1)."
+    )
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = help_field(
         "dapo", "How token losses are averaged: 'grpo' per sequence (length-biased), 'dapo' per token."
     )
@@ -87,12 +98,34 @@ class GRPOArguments:
     guard_truncated_max: float = help_field(
         0.95, "Guard: the share of completions cut at max_completion_length above this for 5 logged steps (1: off)."
     )
+    guard_heldout_every: int = help_field(
+        50, "Guard (reward hacking): grade held-out problems greedily every this many steps and at the start (0: off)."
+    )
+    guard_heldout_problems: int = help_field(32, "How many held-out problems that guard grades.")
+    guard_heldout_split: str = help_field("test", "The dataset's split those problems come from (not trained on).")
+    guard_heldout_drop: float = help_field(
+        0.1, "Guard: held-out accuracy this far (absolute) below its first value while the training reward rose."
+    )
+    guard_repetition_max: float = help_field(
+        0.3, "Guard: the completions' repeated 3-gram share (seq-rep-3) above this for 5 logged steps (1: off)."
+    )
 
     def validate(self) -> None:
         check_tracker(self.report_to)
         check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
         check(0 < self.guard_truncated_max <= 1, "guard_truncated_max", "in (0, 1]")
+        check(0 < self.guard_repetition_max <= 1, "guard_repetition_max", "in (0, 1]")
+        check(self.guard_heldout_every >= 0, "guard_heldout_every", ">= 0 (0: off)")
+        check(self.guard_heldout_problems >= 1, "guard_heldout_problems", ">= 1")
+        check(0 < self.guard_heldout_drop <= 1, "guard_heldout_drop", "in (0, 1]")
+        check(len(self.reward_funcs) >= 1, "reward_funcs", "at least one reward")
+        if self.reward_weights is not None:
+            check(
+                len(self.reward_weights) == len(self.reward_funcs),
+                "reward_weights",
+                f"one weight per reward in reward_funcs ({len(self.reward_funcs)})",
+            )
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
         check(self.max_completion_length >= 1, "max_completion_length", ">= 1")
@@ -152,6 +185,8 @@ def monitors(args: GRPOArguments) -> list[Limit]:
               "the completions collapse onto a few; lower learning_rate or raise temperature"),
         Limit("length", "completions/clipped_ratio", "above", args.guard_truncated_max,
               "completions run to max_completion_length without ending; raise it, or check the EOS token", steps=5),
+        Limit("repetition", REPETITION_KEY, "above", args.guard_repetition_max,
+              "the completions loop on a phrase (a reward that pays for length or a repeated word?)", steps=5),
     ]  # fmt: skip
 
 

@@ -91,12 +91,33 @@ class PPOArguments:
     guard_clipfrac_max: float = help_field(
         0.5, "Guard: the share of clipped policy ratios above this for 5 steps in a row (1: off)."
     )
+    guard_repetition_max: float = help_field(
+        0.3, "Guard: the responses' repeated 3-gram share (seq-rep-3) above this for 5 steps in a row (1: off)."
+    )
+    guard_judge_model: str | None = help_field(
+        None,
+        "Guard (reward hacking): a second judge the policy never trains against (demo://lexicon, or a sequence "
+        "classifier) reads held-out responses at the start and every guard_judge_every steps (empty: off).",
+    )
+    guard_judge_positive_label: str = help_field("POSITIVE", "The judge classifier's label counted as positive.")
+    guard_judge_every: int = help_field(20, "Steps between the judge's readings.")
+    guard_judge_prompts: int = help_field(32, "Held-out prompts the judge reads responses to.")
+    guard_judge_split: str = help_field("test", "The prompt dataset's split those prompts come from.")
+    guard_judge_drop: float = help_field(
+        0.2,
+        "Guard: the judge's mean verdict (+1 positive, 0 neutral, -1 negative) this far below its first "
+        "reading while the reward rose.",
+    )
 
     def validate(self) -> None:
         check_tracker(self.report_to)
         check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
         check(0 < self.guard_clipfrac_max <= 1, "guard_clipfrac_max", "in (0, 1]")
+        check(0 < self.guard_repetition_max <= 1, "guard_repetition_max", "in (0, 1]")
+        check(self.guard_judge_every >= 1, "guard_judge_every", ">= 1")
+        check(self.guard_judge_prompts >= 1, "guard_judge_prompts", ">= 1")
+        check(0 < self.guard_judge_drop <= 2, "guard_judge_drop", "in (0, 2]")
         for key in [
             "steps",
             "batch_size",
@@ -166,6 +187,8 @@ def monitors(args: PPOArguments) -> list[Limit]:
               "the policy collapses onto a few responses; raise the KL coefficient or lower learning_rate"),
         Limit("clipping", "ppo/clipfrac", "above", args.guard_clipfrac_max,
               "updates too large for the clip range; lower learning_rate or ppo_epochs", steps=5),
+        Limit("repetition", "env/repetition", "above", args.guard_repetition_max,
+              "the responses loop on a phrase: the reward pays for it, or the KL term is too weak", steps=5),
     ]  # fmt: skip
 
 

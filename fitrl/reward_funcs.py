@@ -1,0 +1,133 @@
+"""Reward functions by name, in trl's convention: fitrl's registry, or your own function.
+
+A reward function takes the completions (strings, or chat messages) and, as keyword arguments, the
+prompts, `completion_ids` and every column of the dataset (`gold`, `answer`, ... for GSM8K), and
+returns one number per completion (`None`: the reward does not apply to it). GRPO's `reward_funcs`
+names each one as
+
+- a registry name (`REGISTRY`): `strict_format`, `soft_format`, `accuracy` (GSM8K's three), or
+- your own: `module:function` (a module on the Python path or in the working directory) or
+  `path/to/file.py:function`.
+
+Each function is called through `Checked`, which stops the run with one line naming the function when
+it returns anything but one finite number (or None) per completion; trl would fail later, or sum an
+infinity into every advantage.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fitrl.config import RunFailed, UsageError, first_line
+from fitrl.rewards import accuracy_reward, soft_format_reward, strict_format_reward
+
+RewardFunction = Callable[..., list[float | None]]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registry reward: the function and whether it scores only the form of a completion (`format`),
+    which alone, with no KL term, a policy learns to satisfy with empty content."""
+
+    function: RewardFunction
+    format_only: bool
+
+
+REGISTRY: dict[str, Entry] = {
+    "strict_format": Entry(strict_format_reward, format_only=True),
+    "soft_format": Entry(soft_format_reward, format_only=True),
+    "accuracy": Entry(accuracy_reward, format_only=False),
+}
+DEFAULT_REWARDS = ["strict_format", "soft_format", "accuracy"]
+
+
+def _fix(name: str) -> str:
+    return (
+        f"give a registry name ({', '.join(REGISTRY)}), module:function on the Python path or in the working "
+        f"directory, or path/to/file.py:function (got '{name}')"
+    )
+
+
+def resolve(name: str) -> RewardFunction:
+    """The function `name` stands for; a name that does not resolve to a callable is a `UsageError`."""
+    if name in REGISTRY:
+        return REGISTRY[name].function
+    module_name, sep, attr = name.rpartition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise UsageError(f"reward_funcs: unknown reward '{name}'; {_fix(name)}")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name).expanduser()
+            if not path.is_file():
+                raise UsageError(f"reward_funcs: file {path} does not exist; {_fix(name)}")
+            spec = importlib.util.spec_from_file_location(f"fitrl_user_rewards_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:  # `accelerate launch scripts/x.py` puts scripts/ there, not the cwd
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except Exception as e:  # the user's module failed to import: say which and why, in one line
+        raise UsageError(f"reward_funcs: cannot import {module_name}: {type(e).__name__}: {first_line(e)}") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise UsageError(f"reward_funcs: {module_name} has no function '{attr}'; {_fix(name)}")
+    return function
+
+
+def format_only(names: Sequence[str]) -> bool:
+    """Whether every reward in `names` scores only the format (your own functions count as content)."""
+    return all(name in REGISTRY and REGISTRY[name].format_only for name in names)
+
+
+class Checked:
+    """A reward function whose every output is checked: one finite number or None per completion.
+    `observe(completion_ids, log_metric)` (the first function's) sees each batch once, for the monitors."""
+
+    def __init__(self, name: str, function: RewardFunction, observe: Callable[..., None] | None = None) -> None:
+        self.name, self.function, self.observe = name, function, observe
+        functools.update_wrapper(self, function)  # trl logs `rewards/<__name__>/mean`
+
+    def __call__(self, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+        if self.observe is not None and "completion_ids" in kwargs and "log_metric" in kwargs:
+            self.observe(kwargs["completion_ids"], kwargs["log_metric"])
+        out = self.function(completions=completions, **kwargs)
+        problem = _problem(out, len(completions))
+        if problem is not None:
+            raise RunFailed(
+                f"reward function '{self.name}' returned {problem}; it must return one number (or None) per completion"
+            )
+        return list(out)
+
+
+def _problem(out: Any, n: int) -> str | None:
+    if not isinstance(out, (list, tuple)):
+        return f"a {type(out).__name__}, not a list"
+    if len(out) != n:
+        return f"{len(out)} values for {n} completions"
+    for value in out:
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+            return f"a {type(value).__name__} ({value!r:.40})"
+        if not math.isfinite(float(value)):
+            return f"a non-finite value ({value})"
+    return None
+
+
+def reward_functions(names: Sequence[str], observe: Callable[..., None] | None = None) -> list[Checked]:
+    """The functions `names` stand for, checked; `observe` watches the batches through the first one."""
+    return [Checked(name, resolve(name), observe if i == 0 else None) for i, name in enumerate(names)]
