@@ -166,7 +166,7 @@ def models_of(configs: tuple[Any, ...], written: Path) -> list[str]:
             value = values.get(key)
             if not value or Path(value).is_relative_to(written):
                 continue
-            if key == "reward_model" and values.get("reward_adapter"):
+            if key == "reward_model" and (values.get("reward_adapter") or values.get("reward_function")):
                 continue
             found.append(value)
     return found

@@ -10,8 +10,9 @@ Each guard checks one failure the field keeps meeting, once, where it first show
   sampling/forward mismatch otherwise: trl#925, #1005).
 - `reward_signal`: the reward of the first batch is not constant (a label the classifier never
   predicts, a saturated probability, a reward function that reads nothing: no signal to learn from).
-- `template`, `prompt_length`: GRPO's prompts as rendered open no block the format reward expects
-  the completion to open, and at most a tenth are dropped as too long.
+- `template`, `prompt_length`, `stop_token`: GRPO's prompts as rendered open no block the format reward
+  expects the completion to open, at most a tenth are dropped as too long, and the token the chat
+  template closes an assistant turn with is one generation stops at.
 - `reward_tokenizer`: PPO's reward model reads the policy's text decoded and re-encoded with its own
   tokenizer; on the first batch the re-encoded text must decode back to what the policy wrote (a
   tokenizer without the policy's characters reads them as unknown tokens), uncut by its length limit.
@@ -218,7 +219,11 @@ def _lost(text: str, back: str) -> int:
 def check_reward_tokenizer(texts: list[str], policy_tokenizer: Any, reward_tokenizer: Any, health: Health) -> None:
     """The first batch's texts (query + response, as decoded from the policy's tokens) through the reward
     model's tokenizer and back: what does not come back (a character it reads as unknown) the reward
-    model never sees, and a text over its length limit is cut before scoring."""
+    model never sees, and a text over its length limit is cut before scoring. A reward function (no
+    tokenizer) reads the text itself."""
+    if reward_tokenizer is None:
+        health.passed("reward_tokenizer", "a reward function reads the text itself")
+        return
     same = reward_tokenizer is policy_tokenizer or (
         type(reward_tokenizer) is type(policy_tokenizer)
         and reward_tokenizer.get_vocab() == policy_tokenizer.get_vocab()
@@ -301,10 +306,13 @@ class Monitors:
                 self.health.failed(lim.guard, f"{lim.key} {value:.3g} is {relation}{run}: {lim.meaning}", step)
 
     def finish(self) -> None:
+        saw: dict[str, list[str]] = {}  # a guard may watch two metrics (length: too long, too short)
         for lim in self.limits:
             if lim.key in self.extreme:
                 word = "max" if lim.kind == "above" else "min"
-                self.health.passed(lim.guard, f"{lim.key} {word} {self.extreme[lim.key]:.3g}")
+                saw.setdefault(lim.guard, []).append(f"{lim.key} {word} {self.extreme[lim.key]:.3g}")
+        for guard, seen in saw.items():
+            self.health.passed(guard, ", ".join(seen))
 
 
 class HackingGuard:
@@ -351,6 +359,34 @@ class HackingGuard:
 # thinking model's ends the prompt with `<think>`) leaves the completion without it.
 OPENING_TAGS = ("<reasoning>", "<think>")
 DROPPED_SHARE = 0.1  # of the prompts, dropped as longer than the limit, before the guard fires
+
+
+def check_stop_token(tokenizer: Any, stop_ids: list[int], health: Health) -> None:
+    """The chat template closes an assistant turn with a token generation stops at: a model taught that
+    template ends its answers with it, and completions that never stop run to the length limit (Llama
+    3's base generation config stops at <|end_of_text|>, its chat template closes turns with <|eot_id|>)."""
+    marker = "fitrl-stop-check"
+    try:
+        chat = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": marker}]
+        after = tokenizer.apply_chat_template(chat, tokenize=False).split(marker, 1)[1]
+    except Exception as e:  # a template that takes no such chat: nothing to read
+        health.passed("stop_token", f"not checked: the chat template renders no assistant turn ({type(e).__name__})")
+        return
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    closing = next((i for i in tokenizer(after, add_special_tokens=False).input_ids if i in special), None)
+    stops = ", ".join(repr(tokenizer.decode([i])) for i in stop_ids)
+    if closing is None:
+        health.passed("stop_token", f"the template closes an assistant turn with no special token; stops: {stops}")
+    elif closing not in stop_ids:
+        health.failed(
+            "stop_token",
+            f"the chat template closes an assistant turn with {tokenizer.decode([closing])!r} but generation stops "
+            f"only at {stops}: completions will run to max_completion_length; add it to the model's "
+            "generation_config.json eos_token_id, or make it the tokenizer's eos_token",
+            0,
+        )
+    else:
+        health.passed("stop_token", f"the template closes an assistant turn with {tokenizer.decode([closing])!r}")
 
 
 def check_prompts(rendered: str, dropped: int, total: int, limit: int, health: Health) -> None:

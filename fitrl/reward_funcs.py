@@ -57,20 +57,21 @@ def _fix(name: str) -> str:
     )
 
 
-def resolve(name: str) -> RewardFunction:
-    """The function `name` stands for; a name that does not resolve to a callable is a `UsageError`."""
+def resolve(name: str, setting: str = "reward_funcs") -> RewardFunction:
+    """The function `name` stands for; a name that does not resolve to a callable is a `UsageError` that
+    names the `setting` it came from."""
     if name in REGISTRY:
         return REGISTRY[name].function
     module_name, sep, attr = name.rpartition(":")
     if not sep:
         module_name, _, attr = name.rpartition(".")
     if not module_name or not attr:
-        raise UsageError(f"reward_funcs: unknown reward '{name}'; {_fix(name)}")
+        raise UsageError(f"{setting}: unknown reward '{name}'; {_fix(name)}")
     try:
         if module_name.endswith(".py"):
             path = Path(module_name).expanduser()
             if not path.is_file():
-                raise UsageError(f"reward_funcs: file {path} does not exist; {_fix(name)}")
+                raise UsageError(f"{setting}: file {path} does not exist; {_fix(name)}")
             spec = importlib.util.spec_from_file_location(f"fitrl_user_rewards_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -81,10 +82,10 @@ def resolve(name: str) -> RewardFunction:
     except UsageError:
         raise
     except Exception as e:  # the user's module failed to import: say which and why, in one line
-        raise UsageError(f"reward_funcs: cannot import {module_name}: {type(e).__name__}: {first_line(e)}") from None
+        raise UsageError(f"{setting}: cannot import {module_name}: {type(e).__name__}: {first_line(e)}") from None
     function = getattr(module, attr, None)
     if not callable(function):
-        raise UsageError(f"reward_funcs: {module_name} has no function '{attr}'; {_fix(name)}")
+        raise UsageError(f"{setting}: {module_name} has no function '{attr}'; {_fix(name)}")
     return function
 
 

@@ -65,9 +65,17 @@ class RewardArguments:
         "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model, on the "
         "policy's own backbone: no second model is loaded. It must have been trained on model_name_or_path.",
     )
+    reward_function: str | None = help_field(
+        None,
+        "A Python function to score with instead of a model: module:function or path/to/file.py:function, "
+        "called as trl calls a reward function, fn(completions=texts) with each query + response text, and "
+        "returning one number per text (positive: above 0; fitrl.reward_funcs).",
+    )
 
     def validate(self) -> None:
         check(self.reward_batch_size >= 1, "reward_batch_size", ">= 1")
+        if self.reward_function and self.reward_adapter:
+            raise UsageError("give reward_function or reward_adapter, not both: each replaces reward_model")
 
 
 def check_reward_label(reward_path: str, positive_label: str, reward_kind: str = "logit") -> None:
@@ -98,8 +106,12 @@ def check_reward_label(reward_path: str, positive_label: str, reward_kind: str =
 
 
 def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_cache_dir: str) -> None:
-    """The reward, checked before any model loads: a trained classifier with the positive label, or an rm
-    stage's adapter trained on the model the policy starts from (it is read on that model's backbone)."""
+    """The reward, checked before any model loads: a trained classifier with the positive label, an rm
+    stage's adapter trained on the model the policy starts from (it is read on that model's backbone),
+    or a function that imports."""
+    if args.reward_function:
+        FunctionReward(args)
+        return
     if not args.reward_adapter:
         reward_path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
         check_reward_label(reward_path, args.positive_label, args.reward_kind)
@@ -170,6 +182,30 @@ class SentimentReward:
                 others = torch.cat([logits[:, : self.label], logits[:, self.label + 1 :]], dim=1)
                 scores.append(logits[:, self.label] - others.max(-1).values)
         return torch.cat(scores).cpu(), torch.cat(positive).cpu()
+
+
+class FunctionReward:
+    """Scores texts with a Python function (`reward_function`), each output checked (`fitrl.reward_funcs`)."""
+
+    tokenizer = None  # the function reads the text itself: no tokenizer between it and the policy's text
+
+    def __init__(self, args: RewardArguments) -> None:
+        from fitrl.reward_funcs import Checked, resolve
+
+        self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        return self.classify(texts)[0]
+
+    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive: above 0); a None score (the function abstains) counts as 0."""
+        scores = torch.tensor([0.0 if v is None else float(v) for v in self.function(texts)])
+        return scores, scores > 0
+
+
+def load_reward(args: RewardArguments, demo_cache_dir: str, device: torch.device) -> SentimentReward | FunctionReward:
+    """The reward that is not an rm adapter (`fitrl.adapter_reward` reads that one on the policy's backbone)."""
+    return FunctionReward(args) if args.reward_function else SentimentReward(args, demo_cache_dir, device)
 
 
 LEXICON_JUDGE = "demo://lexicon"

@@ -31,12 +31,12 @@ from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, stag
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
     SentimentJudge,
-    SentimentReward,
     build_queries,
     check_judge,
     check_reward,
     corpus_vocabulary,
     corpus_word_share,
+    load_reward,
 )
 from fitrl.stages.eval_sentiment import POLICY_STAGES, STAGE
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
         reward = AdapterReward(policy, reward_args.reward_adapter, tokenizer, reward_args.reward_batch_size)
     else:
-        reward = SentimentReward(reward_args, demo_args.demo_cache_dir, device)
+        reward = load_reward(reward_args, demo_args.demo_cache_dir, device)
     judge = None
     if args.judge_model:
         judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)

@@ -40,7 +40,7 @@ from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.guards import HackingGuard, Health, check_prompts, repetition
+from fitrl.guards import HackingGuard, Health, check_prompts, check_stop_token, repetition
 from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
@@ -147,9 +147,10 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     check_reward_kinds(args, run.health)
     run.heldout = heldout_problems(run)
     total = len(dataset) + n_too_long
-    check_prompts(
-        render_prompt(tokenizer, dataset[0]["prompt"]), n_too_long, total, data_args.max_prompt_length, run.health
-    )
+    rendered = render_prompt(tokenizer, dataset[0]["prompt"])
+    check_prompts(rendered, n_too_long, total, data_args.max_prompt_length, run.health)
+    check_stop_token(tokenizer, stop_ids(model_path, tokenizer, model_args.trust_remote_code), run.health)
+    details["first_prompt_rendered"] = rendered
     run.training_args = grpo_config(args, model_args)
     run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, run.training_args.world_size)
     if run.is_main:
@@ -318,6 +319,19 @@ def heldout_callback(run: Run) -> Any:
             guard.finish()
 
     return _Heldout()
+
+
+def stop_ids(model_path: str, tokenizer: Any, trust_remote_code: bool) -> list[int]:
+    """The tokens generation stops at, as trl's `GRPOTrainer` takes them: the model's generation config's
+    EOS ids, and the tokenizer's EOS."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: the model config's
+        eos = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
 def check_reward_kinds(args: GRPOArguments, health: Health) -> None:

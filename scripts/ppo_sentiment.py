@@ -79,6 +79,7 @@ from fitrl.rollout import (
     sample_responses,
 )
 from fitrl.sentiment import (
+    FunctionReward,
     PromptArguments,
     RewardArguments,
     SentimentJudge,
@@ -86,6 +87,7 @@ from fitrl.sentiment import (
     build_queries,
     check_judge,
     check_reward,
+    load_reward,
 )
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
 
@@ -109,7 +111,7 @@ class Run:
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
     unwrapped: Any = None  # PolicyAndValue itself
     optimizer: Any = None
-    reward: SentimentReward | AdapterReward | None = None
+    reward: SentimentReward | AdapterReward | FunctionReward | None = None
     kl_ctl: Any = None
     score_stats: ppo.RunningMoments | None = None
     metrics: MetricsLog | None = None
@@ -173,7 +175,8 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     model_args, lora_args, prompt_args, reward_args, args, demo_args = configs
     cache = demo_args.demo_cache_dir
     reward = reward_args.reward_adapter or reward_args.reward_model
-    inputs = [model_args.model_name_or_path, prompt_args.dataset, reward, args.resume_from_checkpoint]
+    inputs = [model_args.model_name_or_path, prompt_args.dataset, args.resume_from_checkpoint]
+    inputs += [] if reward_args.reward_function else [reward]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "PPO", config_dict(*configs)
@@ -209,7 +212,7 @@ def build(run: Run) -> None:
     and value head, the optimizer and KL controller."""
     args = run.args
     if not run.reward_args.reward_adapter:
-        run.reward = SentimentReward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
+        run.reward = load_reward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,

@@ -546,6 +546,32 @@ def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_turn_end_token_generation_does_not_stop_at_is_named_before_any_step(
+    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A chat template that closes the assistant's turn with a token the generation never stops at (Llama
+    3's <|eot_id|> beside a base config's <|end_of_text|>): completions run to the length limit."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
+
+    model = tmp_path / "chat"
+    shutil.copytree(demo_root / "reasoner", model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(["<|end|>"], special_tokens=True)
+    closing = "message['content'] + eos_token"
+    assert closing in PLAIN_CHAT_TEMPLATE
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(closing, "message['content'] + '<|end|>'")
+    tokenizer.save_pretrained(model)
+    code = _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+    err = capsys.readouterr().err
+    assert code == 1, err[-2000:]
+    assert "error: guard 'stop_token' at step 0: the chat template closes an assistant turn with '<|end|>'" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_format_only_rewards_without_a_kl_term_are_named_before_any_step(
     tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -274,3 +274,40 @@ def test_the_reference_guard_reads_trls_first_measured_log_ratios() -> None:
     with pytest.raises(RunFailed, match=r"guard 'reference' at step 1: rewards/chosen / rewards/rejected is -0.0400"):
         first_step({"rewards/chosen": [0.01], "rewards/rejected": [-0.2]}, health=Health(strict=True))
     assert first_step({"rewards/chosen": [5.0]}, step=7).seen == {}  # a resumed run: updates came before
+
+
+def test_the_demo_classifier_reads_the_demo_lms_text_and_names_a_script_it_cannot(demo_root) -> None:
+    """The demo's real pair: the reward classifier (its own 353-token WordPiece) reads the review text the
+    policy's tokenizer decodes; text in a script it has no tokens for, it reads as [UNK]."""
+    from transformers import AutoTokenizer
+
+    from fitrl.guards import check_reward_tokenizer
+    from fitrl.outputs import read_jsonl
+
+    policy = AutoTokenizer.from_pretrained(demo_root / "lm")
+    reward = AutoTokenizer.from_pretrained(demo_root / "classifier")
+    reviews = [r["text"][:120] for r in read_jsonl(demo_root / "reviews" / "test.jsonl")[:32]]
+    health = Health()
+    check_reward_tokenizer(reviews, policy, reward, health)
+    assert health.seen["reward_tokenizer"]["passed"], health.seen
+    assert "its own tokenizer (353 tokens)" in health.seen["reward_tokenizer"]["saw"]
+    foreign = [f"{r} 東京でとても良い映画でした" for r in reviews]
+    with pytest.warns(UserWarning, match=r"guard 'reward_tokenizer' at step 1: the reward model's tokenizer"):
+        check_reward_tokenizer(foreign, policy, reward, Health())
+
+
+def test_a_frozen_adapter_on_the_demo_model_stops_before_the_first_step(demo_root, tmp_path) -> None:
+    """trl#6700: an adapter loaded for inference (peft's default, `is_trainable=False`) handed to the
+    trainer trains nothing while its curves (and, with beta != 0, its KL) look normal. The callback trl's
+    loop calls at train begin stops the run."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def base() -> nn.Module:
+        return AutoModelForCausalLM.from_pretrained(demo_root / "reasoner")
+
+    get_peft_model(base(), LoraConfig(r=4, target_modules=["query_key_value"])).save_pretrained(tmp_path / "a")
+    frozen = PeftModel.from_pretrained(base(), tmp_path / "a")
+    args = SimpleNamespace(deepspeed=None, fsdp=None)
+    with pytest.raises(RunFailed, match="nothing to train: the model has 0 trainable parameters"):
+        guard_callback(Health()).on_train_begin(args, SimpleNamespace(global_step=0), None, model=frozen)

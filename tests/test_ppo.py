@@ -116,6 +116,7 @@ def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo
         # a causal LM has the label LABEL_0 too, but its classification head would be random
         (["--reward_model", "demo://lm", "--positive_label", "LABEL_0"], "not a trained sequence classifier"),
         (["--guard_judge_model", "demo://classifier", "--guard_judge_positive_label", "GOOD"], "has no label 'GOOD'"),
+        (["--reward_function", "nowhere.py:f"], "reward_function: file nowhere.py does not exist"),
     ],
 )
 def test_bad_config_exits_2(tmp_path: Path, demo_cache: Path, extra: list[str], message: str) -> None:
@@ -257,6 +258,40 @@ def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path
     assert health["reward_tokenizer"]["passed"] and health["repetition"]["passed"]
     readings = [r["heldout/judge_mean"] for r in read_jsonl(out / "metrics.jsonl") if "heldout/judge_mean" in r]
     assert len(readings) == 3 and min(readings[1:]) <= readings[0] - 0.1
+
+
+# A reward a user writes in a file of their own, in trl's convention: one number per text.
+SAYS_GREAT = """
+def says_great(completions, **kwargs):
+    return [t.lower().split().count("great") - 0.5 for t in completions]
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(tmp_path: Path, demo_cache: Path) -> None:
+    (tmp_path / "my_reward.py").write_text(SAYS_GREAT)
+    function = f"{tmp_path / 'my_reward.py'}:says_great"
+    out = tmp_path / "run"
+    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--reward_function", function)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = load_run_info(out)
+    assert info["health"]["reward_tokenizer"]["saw"] == "a reward function reads the text itself"
+    samples = (out / "samples.md").read_text()
+    assert "first step" in samples
+    config = (out / "run_config.yaml").read_text()
+    assert f"reward_function: {function}" in config
+    evaluated = run_script(
+        "evaluate_sentiment.py",
+        *["--config", CONFIGS / "demo" / "eval.yaml", "--model_name_or_path", "demo://lm"],
+        *["--demo_cache_dir", demo_cache, "--adapter_dir", out, "--output_dir", tmp_path / "eval"],
+        *["--reward_function", function, "--n_prompts", "8", "--batch_size", "8"],
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    for row in report["samples"]:  # each score is the function's, of the query + response it read
+        for who in ("policy", "reference"):
+            text = row["query"] + row[f"{who}_response"]
+            assert row[f"{who}_reward"] == text.lower().split().count("great") - 0.5
 
 
 @pytest.mark.slow

@@ -106,6 +106,9 @@ class GRPOArguments:
     guard_heldout_drop: float = help_field(
         0.1, "Guard: held-out accuracy this far (absolute) below its first value while the training reward rose."
     )
+    guard_length_floor: float = help_field(
+        0.2, "Guard: the completions' mean length below this share of its first value for 5 logged steps (0: off)."
+    )
     guard_repetition_max: float = help_field(
         0.3, "Guard: the completions' repeated 3-gram share (seq-rep-3) above this for 5 logged steps (1: off)."
     )
@@ -116,6 +119,7 @@ class GRPOArguments:
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
         check(0 < self.guard_truncated_max <= 1, "guard_truncated_max", "in (0, 1]")
         check(0 < self.guard_repetition_max <= 1, "guard_repetition_max", "in (0, 1]")
+        check(0 <= self.guard_length_floor < 1, "guard_length_floor", "in [0, 1)")
         check(self.guard_heldout_every >= 0, "guard_heldout_every", ">= 0 (0: off)")
         check(self.guard_heldout_problems >= 1, "guard_heldout_problems", ">= 1")
         check(0 < self.guard_heldout_drop <= 1, "guard_heldout_drop", "in (0, 1]")
@@ -185,6 +189,8 @@ def monitors(args: GRPOArguments) -> list[Limit]:
               "the completions collapse onto a few; lower learning_rate or raise temperature"),
         Limit("length", "completions/clipped_ratio", "above", args.guard_truncated_max,
               "completions run to max_completion_length without ending; raise it, or check the EOS token", steps=5),
+        Limit("length", "completions/mean_length", "below_share", args.guard_length_floor,
+              "completions collapse toward nothing: a reward that pays for ending early?", steps=5),
         Limit("repetition", REPETITION_KEY, "above", args.guard_repetition_max,
               "the completions loop on a phrase (a reward that pays for length or a repeated word?)", steps=5),
     ]  # fmt: skip

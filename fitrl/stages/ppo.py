@@ -193,8 +193,9 @@ def monitors(args: PPOArguments) -> list[Limit]:
 
 
 def reward_model(args: RewardArguments) -> str | None:
-    """The model loaded beside the policy to score: none when the reward is an adapter on its backbone."""
-    return None if args.reward_adapter else args.reward_model
+    """The model loaded beside the policy to score: none when the reward is an adapter on its backbone, or
+    a function."""
+    return None if args.reward_adapter or args.reward_function else args.reward_model
 
 
 def batch_moves(configs: Configs) -> Moves:
