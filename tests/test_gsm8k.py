@@ -520,26 +520,37 @@ def _grpo_main(out: Path, demo_cache: Path, *extra: str | Path) -> int:
     return run_main("grpo_gsm8k.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
 
 
-def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """A thinking-style chat template ends the prompt with the block the format reward expects the
-    completion to open: completions never write it and the format reward reads 0 (ms-swift#9764).
-    With strict_guards the run stops in its preflight, before the model loads, and writes nothing."""
+def _strict_run_with_template(
+    tmp_path: Path, demo_cache: Path, demo_root: Path, old: str, new: str, *extra_tokens: str
+):
+    """GRPO under strict_guards on the demo reasoner whose plain chat template has `old` replaced by `new`
+    (and `extra_tokens` added as special tokens); returns (exit code, stderr). Nothing may be written."""
     import shutil
 
     from transformers import AutoTokenizer
 
     from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
 
-    model = tmp_path / "thinking"
+    model = tmp_path / "chat"
     shutil.copytree(demo_root / "reasoner", model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    cue = "{{ 'Answer:\\n' }}"
-    assert cue in PLAIN_CHAT_TEMPLATE
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(cue, "{{ 'Answer:\\n<reasoning>\\n' }}")
+    if extra_tokens:
+        tokenizer.add_tokens(list(extra_tokens), special_tokens=True)
+    assert old in PLAIN_CHAT_TEMPLATE
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(old, new)
     tokenizer.save_pretrained(model)
-    code = _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+    return _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+
+
+def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
+    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A thinking-style chat template ends the prompt with the block the format reward expects the
+    completion to open: completions never write it and the format reward reads 0 (ms-swift#9764).
+    With strict_guards the run stops in its preflight, before the model loads, and writes nothing."""
+    code = _strict_run_with_template(
+        tmp_path, demo_cache, demo_root, "{{ 'Answer:\\n' }}", "{{ 'Answer:\\n<reasoning>\\n' }}"
+    )
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert "error: guard 'template' at step 0: the chat template ends each prompt with <reasoning>" in err
@@ -551,21 +562,10 @@ def test_a_turn_end_token_generation_does_not_stop_at_is_named_before_any_step(
 ) -> None:
     """A chat template that closes the assistant's turn with a token the generation never stops at (Llama
     3's <|eot_id|> beside a base config's <|end_of_text|>): completions run to the length limit."""
-    import shutil
-
-    from transformers import AutoTokenizer
-
-    from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
-
-    model = tmp_path / "chat"
-    shutil.copytree(demo_root / "reasoner", model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.add_tokens(["<|end|>"], special_tokens=True)
     closing = "message['content'] + eos_token"
-    assert closing in PLAIN_CHAT_TEMPLATE
-    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(closing, "message['content'] + '<|end|>'")
-    tokenizer.save_pretrained(model)
-    code = _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+    code = _strict_run_with_template(
+        tmp_path, demo_cache, demo_root, closing, "message['content'] + '<|end|>'", "<|end|>"
+    )
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert "error: guard 'stop_token' at step 0: the chat template closes an assistant turn with '<|end|>'" in err
