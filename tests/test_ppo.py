@@ -242,12 +242,13 @@ def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path
     POSITIVE) wants the opposite: the training reward rises while the judge's mean verdict on held-out
     prompts falls, and the guard names it (the run goes on: strict_guards is off).
 
-    Measured here (lr 2e-3, KL coefficient 0.05, judged at steps 0/10/20), seeds 0 / 1 / 2: the verdict
-    fell 0.76 / 0.43 by step 10 and 0.25 by step 20, against the test's 0.1 (the default is 0.2)."""
+    Measured here (16 prompts a step, lr 2e-3, KL coefficient 0.05, judged at steps 0/10/20), seeds
+    0 / 1 / 2: the verdict fell 0.44 / 0.94 / 0.75 by step 20, against the test's 0.1 (default 0.2)."""
     out = tmp_path / "run"
     result = _ppo(
         out,
         demo_cache,
+        *SMALL,
         *["--steps", "20", "--learning_rate", "2e-3", "--init_kl_coef", "0.05", "--positive_label", "NEGATIVE"],
         *["--guard_judge_model", "demo://classifier", "--guard_judge_every", "10", "--guard_judge_drop", "0.1"],
     )
