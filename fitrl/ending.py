@@ -124,7 +124,11 @@ def model_card(end: TrainingEnd, out: Path) -> str:
         "```",
     ]
     if end.stage == "ppo":
-        lines += ["", "The value head PPO trained beside the policy is `value_head.pt` (a state dict)."]
+        lines += [
+            "",
+            "The value head PPO trained beside the policy is `value_head.safetensors` (a `Linear(hidden, 1)`'s "
+            "`weight` and `bias`: `safetensors.torch.load_file`).",
+        ]
     return "\n".join(lines) + "\n"
 
 

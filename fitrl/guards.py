@@ -259,12 +259,13 @@ def check_reward_tokenizer(texts: list[str], policy_tokenizer: Any, reward_token
 
 @dataclass(frozen=True)
 class Limit:
-    """One in-run monitor: the logged metric `key` above `threshold` (`kind="above"`) or below
-    `threshold` times its first logged value (`kind="below_share"`), for `steps` logged steps in a row."""
+    """One in-run monitor: the logged metric `key` above `threshold` (`kind="above"`), below it
+    (`kind="below"`), or below `threshold` times its first logged value (`kind="below_share"`), for
+    `steps` logged steps in a row."""
 
     guard: str
     key: str
-    kind: str  # "above" | "below_share"
+    kind: str  # "above" | "below" | "below_share"
     threshold: float
     meaning: str  # what usually causes it, for the warning
     steps: int = 1
@@ -278,7 +279,7 @@ class Monitors:
     def __init__(self, health: Health, limits: list[Limit]) -> None:
         self.health, self.limits = health, [lim for lim in limits if math.isfinite(lim.threshold)]
         self.first: dict[str, float] = {}
-        self.extreme: dict[str, float] = {}
+        self.extreme: dict[tuple[str, str], float] = {}
         self.streak: dict[Limit, int] = {}
 
     def __call__(self, row: dict[str, Any], step: int) -> None:
@@ -291,26 +292,24 @@ class Monitors:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
             first = self.first.setdefault(lim.key, float(value))
-            bound = lim.threshold if lim.kind == "above" else lim.threshold * first
+            bound = lim.threshold * first if lim.kind == "below_share" else lim.threshold
             beyond = value > bound if lim.kind == "above" else value < bound
             pick = max if lim.kind == "above" else min
-            self.extreme[lim.key] = pick(self.extreme.get(lim.key, value), value)
+            self.extreme[(lim.key, lim.kind)] = pick(self.extreme.get((lim.key, lim.kind), value), value)
             self.streak[lim] = self.streak.get(lim, 0) + 1 if beyond else 0
             if self.streak[lim] >= lim.steps:
-                relation = (
-                    f"above {bound:.3g}"
-                    if lim.kind == "above"
-                    else f"below {bound:.3g} ({lim.threshold:g} x its first {first:.3g})"
-                )
+                relation = f"{'above' if lim.kind == 'above' else 'below'} {bound:.3g}"
+                if lim.kind == "below_share":
+                    relation += f" ({lim.threshold:g} x its first {first:.3g})"
                 run = f" for {lim.steps} logged steps" if lim.steps > 1 else ""
                 self.health.failed(lim.guard, f"{lim.key} {value:.3g} is {relation}{run}: {lim.meaning}", step)
 
     def finish(self) -> None:
-        saw: dict[str, list[str]] = {}  # a guard may watch two metrics (length: too long, too short)
+        saw: dict[str, list[str]] = {}  # a guard may watch two bounds (length: too long, too short)
         for lim in self.limits:
-            if lim.key in self.extreme:
+            if (lim.key, lim.kind) in self.extreme:
                 word = "max" if lim.kind == "above" else "min"
-                saw.setdefault(lim.guard, []).append(f"{lim.key} {word} {self.extreme[lim.key]:.3g}")
+                saw.setdefault(lim.guard, []).append(f"{lim.key} {word} {self.extreme[(lim.key, lim.kind)]:.3g}")
         for guard, seen in saw.items():
             self.health.passed(guard, ", ".join(seen))
 

@@ -37,6 +37,7 @@ from fitrl.gsm8k import (
 )
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.reward_funcs import reward_functions
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats
 from fitrl.stages.eval_gsm8k import STAGE
@@ -60,12 +61,14 @@ class Inputs:
     dataset: Any  # problems with their chat prompts
     skipped: list[dict[str, Any]]
     n_too_long: int
+    reward_funcs: list[Any]  # `fitrl.reward_funcs.Checked`, as GRPO calls them
 
 
 def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inputs:
     inputs = [args.adapter, model_args.model_name_or_path, data_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
     adapter = check_adapter(args.adapter)
+    reward_funcs = reward_functions(args.reward_funcs)
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
         check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, STAGE.reads[1])
@@ -77,7 +80,7 @@ def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inp
     dataset, n_too_long = add_prompts(
         problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length, examples
     )
-    return Inputs(model_path, adapter, tokenizer, dataset, skipped, n_too_long)
+    return Inputs(model_path, adapter, tokenizer, dataset, skipped, n_too_long, reward_funcs)
 
 
 def load_model(model_args: Any, inputs: Inputs) -> Any:
@@ -112,15 +115,31 @@ def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[
                 progress=bar,
             )
 
+    def scored(completions: list[list[str]]) -> dict[str, Any]:
+        found = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
+        if inputs.reward_funcs:
+            found["rewards"] = reward_means(inputs.reward_funcs, inputs.dataset, completions)
+        return found
+
     completions = complete("with adapter" if inputs.adapter else "generating")
-    scores = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
-    base_scores = None
+    scores, base_scores = scored(completions), None
     if inputs.adapter is not None and args.compare_to_base:
         with model.disable_adapter():
-            base_completions = complete("adapter off")
-        base_scores = {**metric.compute(predictions=base_completions, references=golds)}
-        base_scores.update(grade(base_completions, golds))
+            base_scores = scored(complete("adapter off"))
     return completions, scores, base_scores
+
+
+def reward_means(funcs: list[Any], dataset: Any, completions: list[list[str]]) -> dict[str, float | None]:
+    """Each reward function's mean over every completion, called as GRPO calls it: chat completions, and
+    the dataset's columns as keywords, one row per completion (None where it abstains everywhere)."""
+    rows = [(i, c) for i, cs in enumerate(completions) for c in cs]
+    chats = [[{"role": "assistant", "content": c}] for _, c in rows]
+    columns = {k: [dataset[i][k] for i, _ in rows] for k in dataset.column_names if k != "prompt"}
+    means = {}
+    for f in funcs:
+        values = [v for v in f(chats, prompts=[dataset[i]["prompt"] for i, _ in rows], **columns) if v is not None]
+        means[f.__name__] = sum(values) / len(values) if values else None
+    return means
 
 
 @entrypoint
@@ -176,6 +195,11 @@ def print_summary(summary: dict, skipped: list, output_dir: str, max_prompt_leng
         f"  lm-evaluation-harness extractions: strict-match {summary['harness_strict_match']:.1%}, "
         f"flexible-extract {summary['harness_flexible_extract']:.1%}; failures {summary['failures']}"
     )
+    if "rewards" in summary:
+        print(
+            "  rewards: "
+            + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in summary["rewards"].items())
+        )
     base = summary["without_adapter"]
     if base is not None:
         print(

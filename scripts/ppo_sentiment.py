@@ -11,7 +11,7 @@ score of query + response. The maths (GAE, whitening, KL, clipped losses) is in 
     # continue a killed run
     accelerate launch scripts/ppo_sentiment.py --config ... --resume_from_checkpoint latest
 
-Writes to `output_dir`: the policy adapter, `value_head.pt`, `run_config.yaml`, `run_info.json`,
+Writes to `output_dir`: the policy adapter, `value_head.safetensors`, `run_config.yaml`, `run_info.json`,
 `metrics.jsonl`, `ppo_curves.png` and `samples.md`. Checkpoints go to `<output_dir>.checkpoints/`,
 outside the staged output, so that a stopped run keeps them.
 """
@@ -22,7 +22,6 @@ import dataclasses
 import json
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,6 @@ class Run:
     first_prompts: list[int] | None = None
     planned_peak_mb: float | None = None
     step_peak: StepPeak = dataclasses.field(default_factory=StepPeak)
-    warned_negative_kl: bool = False
     health: Health = dataclasses.field(default_factory=Health)  # what the guards saw
     gradients: GradientGuard | None = None
     monitors: Monitors | None = None  # the in-run guards on each step's metrics
@@ -248,13 +246,24 @@ def build(run: Run) -> None:
     run.unwrapped = model
 
 
+VALUE_HEAD = "value_head.safetensors"  # tensors only: it loads without pickle
+
+
+def save_value_head(model: PolicyAndValue, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in model.value_head.state_dict().items()}, directory / VALUE_HEAD
+    )
+
+
 def load_checkpoint(run: Run, path: Path) -> None:
     """Weights and run state from `path` (before DDP wraps the model); the optimizer state after."""
     from peft import set_peft_model_state_dict
 
     adapter = load_safetensors(path / "adapter" / "adapter_model.safetensors", path)
     set_peft_model_state_dict(run.unwrapped.policy, adapter)
-    run.unwrapped.value_head.load_state_dict(load_state(path / "value_head.pt", run.device))
+    run.unwrapped.value_head.load_state_dict(load_safetensors(path / VALUE_HEAD, path))
     state = json.loads((path / STATE_FILE).read_text())
     run.start_step, run.samples = state["step"], state["samples"]
     run.kl_ctl.load_state_dict(state["kl_controller"])
@@ -279,7 +288,7 @@ def save_checkpoint(run: Run, step: int) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         run.unwrapped.policy.save_pretrained(staging / "adapter", selected_adapters=["default"])
-        torch.save(run.unwrapped.value_head.state_dict(), staging / "value_head.pt")
+        save_value_head(run.unwrapped, staging)
         torch.save(run.optimizer.state_dict(), staging / "optimizer.pt")
         (staging / STATE_FILE).write_text(json.dumps(state))
         save_run_config(staging, *run.configs)
@@ -466,13 +475,6 @@ def log_step(
     if run.hacking is not None:
         run.hacking.reward(row["env/reward_mean"])
     accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=step + 1)
-    if mean_kl < -1 and not run.warned_negative_kl and accelerator.is_main_process:
-        run.warned_negative_kl = True
-        warnings.warn(
-            f"KL to the reference is strongly negative ({mean_kl:.2f}) at step {step + 1}: the "
-            "sampling does not match the policy (check top_k/top_p, EOS, padding)",
-            stacklevel=1,
-        )
     return row
 
 
@@ -563,7 +565,7 @@ def finish(run: Run) -> None:
 
     def save_weights(out: Path) -> None:
         unwrapped.policy.save_pretrained(out, selected_adapters=["default"])  # not the reward adapter
-        torch.save(unwrapped.value_head.state_dict(), out / "value_head.pt")
+        save_value_head(unwrapped, out)
 
     run.monitors.finish()
     if run.hacking is not None:

@@ -142,7 +142,7 @@ def test_ppo_writes_its_outputs_and_leaves_the_base_untouched(demo_run: Path) ->
     for name in [
         "adapter_config.json",
         "adapter_model.safetensors",
-        "value_head.pt",
+        "value_head.safetensors",
         "run_config.yaml",
         "run_info.json",
         "metrics.jsonl",
@@ -156,7 +156,7 @@ def test_ppo_writes_its_outputs_and_leaves_the_base_untouched(demo_run: Path) ->
     # Only the LoRA weights and the value head were trained: B (zero at init) moved, the head differs from init.
     lora_b = [t for k, t in load_file(ppo / "adapter_model.safetensors").items() if "lora_B" in k]
     assert lora_b and all(t.abs().max() > 0 for t in lora_b)
-    head = torch.load(ppo / "value_head.pt")
+    head = load_file(ppo / "value_head.safetensors")
     assert head["bias"].abs().item() > 0  # zero at init
     # Every training stage's adapter has a model card: its base, figures, guards and how to load it
     for stage in ["sft", "rm", "ppo", "dpo", "grpo"]:

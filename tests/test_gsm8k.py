@@ -295,6 +295,7 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
         "1.0",
         "--max_new_tokens",
         "48",
+        *["--reward_funcs", "accuracy", "strict_format"],  # GRPO's own rewards, as it calls them
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "skipped 1 problems whose gold answer is not a number" in result.stdout
@@ -315,7 +316,10 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
     assert summary["accuracy"] == pytest.approx(sum(r["correct"] for r in rows) / 6)
     assert summary["format_compliance"] == pytest.approx(sum(r["strict_format"] for r in rows) / 6)
     scores = {"accuracy", "pass_at_k", "format_compliance", "k", "harness_strict_match", "harness_flexible_extract"}
-    assert set(summary["without_adapter"]) == scores | {"failures"}
+    assert set(summary["without_adapter"]) == scores | {"failures", "rewards"}
+    rewards = summary["rewards"]  # the training rewards read the same completions as the metric
+    assert rewards["accuracy_reward"] == pytest.approx(2.0 * summary["accuracy"])
+    assert rewards["strict_format_reward"] == pytest.approx(0.5 * summary["format_compliance"])
     # every completion that is not correct says why, and the summary counts the same reasons
     assert all((r["failure"] is None) == r["correct"] for r in rows)
     assert sum(summary["failures"].values()) == sum(not r["correct"] for r in rows)

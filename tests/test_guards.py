@@ -186,6 +186,22 @@ def test_the_in_run_monitors_fire_once_on_their_limits_and_record_the_rest() -> 
     assert health.seen["kl"] == {"passed": True, "saw": "objective/kl max 6"}
     assert "off" not in health.seen  # an infinite limit is off
 
+    def kl_bounds(health: Health) -> Monitors:  # PPO's two bounds on one metric: runaway, and far below 0
+        return Monitors(
+            health, [Limit("kl", "objective/kl", "above", 30.0, "r"), Limit("kl", "objective/kl", "below", -1.0, "m")]
+        )
+
+    calm = Health()
+    monitors = kl_bounds(calm)
+    for step, kl in enumerate([0.5, 3.0, -0.2], 1):
+        monitors({"objective/kl": kl}, step)
+    monitors.finish()
+    assert calm.seen["kl"] == {"passed": True, "saw": "objective/kl max 3, objective/kl min -0.2"}
+    mismatched = kl_bounds(Health())
+    mismatched({"objective/kl": 0.5}, 1)
+    with pytest.warns(UserWarning, match=r"guard 'kl' at step 2: objective/kl -2.5 is below -1: m"):
+        mismatched({"objective/kl": -2.5}, 2)
+
 
 def test_repetition_is_the_share_of_repeated_ngrams() -> None:
     """seq-rep-3 by hand: (1,2,3,1,2,3) has 4 trigrams, 3 distinct: 1/4; five 5s: 3 trigrams, 1 distinct: 2/3."""

@@ -36,6 +36,11 @@ class GSM8KEvalArguments:
     compare_to_base: bool = help_field(True, "With an adapter, also score the model with the adapter off.")
     seed: int = help_field(0, "Random seed of the sampling.")
     force: bool = help_field(False, "Evaluate even if the adapter says it was trained on another model or stage.")
+    reward_funcs: list[str] = help_field(
+        [],
+        "Also score every completion with these reward functions, as GRPO's reward_funcs names them (registry "
+        "names, module:function, file.py:function): their means go into summary.json under 'rewards'.",
+    )
 
     def validate(self) -> None:
         check(self.num_samples >= 1, "num_samples", ">= 1")

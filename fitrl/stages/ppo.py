@@ -183,6 +183,9 @@ def monitors(args: PPOArguments) -> list[Limit]:
     return [
         Limit("kl", "objective/kl", "above", args.guard_kl_max,
               "the policy runs away from its reference; raise init_kl_coef or lower learning_rate"),
+        # A sampled KL estimate is >= 0 on average: strongly negative means the samples are not the policy's.
+        Limit("kl", "objective/kl", "below", -1.0,
+              "the sampling does not match the policy's forward (top_k/top_p, EOS, padding; trl#925)"),
         Limit("entropy", "objective/entropy", "below_share", args.guard_entropy_floor,
               "the policy collapses onto a few responses; raise the KL coefficient or lower learning_rate"),
         Limit("clipping", "ppo/clipfrac", "above", args.guard_clipfrac_max,
