@@ -318,10 +318,14 @@ def table(p: Plan) -> str:
 
 
 def brief(p: Plan) -> str:
+    """One line: the peak that decides the fit, and in it the tensors, the figure a run's `run_info.json`
+    (`memory.planned_peak_mb`) and report give beside what it measured."""
     verdict = "fits" if p.fits else "does NOT fit"
+    tensors = format_bytes(p.tensor_peak_bytes)
+    inside = f"tensors {tensors} + CUDA context and allocator slack" if p.on_gpu else f"tensors {tensors}"
     return (
-        f"memory plan: peak {format_bytes(p.peak_bytes)} in the {p.peak_phase} "
-        f"(weights {format_bytes(p.components['weights'])}); {verdict} in {format_bytes(p.gpu_memory_bytes)}"
+        f"memory plan: peak {format_bytes(p.peak_bytes)} in the {p.peak_phase} ({inside}; weights "
+        f"{format_bytes(p.components['weights'])}); {verdict} in {format_bytes(p.gpu_memory_bytes)}"
     )
 
 

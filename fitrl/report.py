@@ -29,7 +29,7 @@ def _memory(out: Path) -> str:
     parts = [f"planned {planned:.0f} MiB" if planned is not None else "no plan"]
     if measured is not None:
         parts.append(f"measured {measured:.0f} MiB on {memory.get('device', '?')}")
-    return "peak memory " + ", ".join(parts)
+    return "peak memory " + ", ".join(parts) + " (tensors)"
 
 
 def _health(out: Path) -> str:
@@ -112,10 +112,37 @@ def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) 
     return [*lines, ""]
 
 
+def _guards_cell(out: Path) -> str:
+    health = load_run_info(out).get("health") or {}
+    fired = [f"{k} (step {v.get('step', '?')})" for k, v in health.items() if not v["passed"]]
+    if fired:
+        return "fired: " + ", ".join(fired)
+    return f"all {len(health)} passed" if health else ""
+
+
+def summary(run_dir: Path, stages: list[Stage], timings: dict[str, float]) -> list[str]:
+    """The first page: a row per stage that ran, its key result, guards, wall time and memory (planned and
+    measured step peaks, the figures the console's done line and `run_info.json` give)."""
+    lines = ["## summary", "", "| stage | key result | guards | wall time | peak MiB planned / measured |"]
+    lines.append("|---|---|---|---|---|")
+    for stage in stages:
+        out = run_dir / stage.output_dir
+        if not out.is_dir():
+            continue
+        found = stage.figures(out)
+        memory = load_run_info(out).get("memory") or {}
+        peaks = [memory.get("planned_peak_mb"), memory.get("measured_peak_mb")]
+        peak = " / ".join("-" if v is None else f"{v:.0f}" for v in peaks) if any(v is not None for v in peaks) else ""
+        wall = _minutes(timings[stage.name]) if stage.name in timings else ""
+        lines.append(f"| {stage.name} | {found[0] if found else 'done'} | {_guards_cell(out)} | {wall} | {peak} |")
+    return [*lines, ""] if len(lines) > 2 else []
+
+
 def markdown(run_dir: Path, stages: list[Stage], title: str) -> tuple[str, list[Path]]:
     """The report as markdown (images linked relative to the run directory), and the images it shows."""
     timings = read_timings(run_dir)
-    parts, images = [f"# {title}", "", *side_by_side(run_dir, stages, timings)], []
+    first_page = [*summary(run_dir, stages, timings), *side_by_side(run_dir, stages, timings)]
+    parts, images = [f"# {title}", "", *first_page], []
     for stage in stages:
         out = run_dir / stage.output_dir
         if not out.is_dir():
@@ -148,6 +175,11 @@ def _kind(line: str, open_block: str | None) -> str:
     return "p" if line.strip() else "blank"
 
 
+def _inline(text: str) -> str:
+    """Escaped text with its code spans (`...`) as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
+
+
 def _render(kind: str, line: str, run_dir: Path) -> str:
     if kind == "img":
         alt, src = re.fullmatch(r"!\[(.*)\]\((.*)\)", line).groups()
@@ -155,23 +187,24 @@ def _render(kind: str, line: str, run_dir: Path) -> str:
         return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
     if kind == "h":
         level = min(len(line) - len(line.lstrip("#")), 6)
-        return f"<h{level}>{html.escape(line.lstrip('#').strip())}</h{level}>"
+        return f"<h{level}>{_inline(line.lstrip('#').strip())}</h{level}>"
     if kind == "ul":
-        return f"<li>{html.escape(line[2:])}</li>"
+        return f"<li>{_inline(line[2:])}</li>"
     if kind == "table":
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if all(set(c) <= {"-", ":"} for c in cells):  # the header rule
             return ""
-        return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+        return "<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in cells) + "</tr>"
     if kind == "pre":
         return html.escape(line)
-    return f"<p>{html.escape(line)}</p>" if kind == "p" else ""
+    return f"<p>{_inline(line)}</p>" if kind == "p" else ""
 
 
 STYLE = (
     "body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;line-height:1.45}"
     "img{max-width:100%}table{border-collapse:collapse;font-size:.9rem}"
     "td{border:1px solid #ccc;padding:.2rem .4rem}pre{background:#f5f5f5;padding:.5rem;overflow-x:auto}"
+    "code{background:#f5f5f5;padding:0 .2rem}"
 )
 
 
