@@ -324,6 +324,19 @@ def one_thread_rule() -> int:
     return threads
 
 
+def close_process_group() -> None:
+    """Leave torch.distributed once a stage is done: every rank meets, then the group is destroyed. A gloo
+    group left to the interpreter's exit can abort a rank (SIGABRT, "terminate called without an active
+    exception") after the outputs are written, and the launcher then fails the finished run."""
+    if "torch.distributed" not in sys.modules:  # no process group without it
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
     """Wrap a script's `main`: the thread rule and the SIGTERM rule (`fitrl.signals`), then a `UsageError`
     prints one line on stderr and exits 2, a `RunFailed` exits 1, a `Terminated` 143."""
@@ -334,7 +347,9 @@ def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
         one_thread_rule()
         try:
             with signals.terminate_cleanly():
-                return main(*args, **kwargs)
+                result = main(*args, **kwargs)
+            close_process_group()
+            return result
         except UsageError as e:
             _fail(str(e), EXIT_USAGE)
         except RunFailed as e:

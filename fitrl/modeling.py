@@ -49,6 +49,9 @@ GRPO_LORA_TARGETS = {
 
 # The scalar head transformers' sequence classifiers put on a decoder (GPT-NeoX, Llama, Qwen...): a reward model's.
 SCORE_HEAD = "score"
+# A sequence classifier's head modules, by name (BERT/DistilBERT/RoBERTa's, a decoder's): kept out of
+# quantization, which would round away the few weights that decide the score.
+CLASSIFIER_HEADS = ("classifier", "pre_classifier", SCORE_HEAD)
 
 Quantization = Literal["none", "8bit", "4bit"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -242,6 +245,24 @@ def load_causal_lm(
             model.enable_input_require_grads()
         model.config.use_cache = False
     return model
+
+
+def load_classifier(path: str, dtype: str = "float32", quantization: str = "none") -> tuple[Any, dict[str, Any]]:
+    """A trained sequence classifier to score with (never trained here) in `dtype`, its linear layers
+    quantized as asked but for its head (`CLASSIFIER_HEADS`), and transformers' loading info."""
+    from transformers import AutoModelForSequenceClassification
+
+    compute = torch_dtype(dtype)
+    kwargs: dict[str, Any] = {"dtype": compute, "output_loading_info": True}
+    qconfig = quantization_config(quantization, compute, skip=list(CLASSIFIER_HEADS))
+    if qconfig is not None:
+        kwargs.update(quantization_config=qconfig, device_map=_device_map())
+    with loading_errors("reward model", path):
+        model, info = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    if qconfig is not None:
+        _release_checkpoint_map(model)
+        int8_layers_on_cpu(model)
+    return model.eval(), info
 
 
 @contextmanager

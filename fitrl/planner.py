@@ -34,8 +34,8 @@ from fitrl.architectures import architecture
 from fitrl.config import UsageError, first_line, with_overrides
 from fitrl.demo import DemoArguments
 from fitrl.memtrace import LAST_DECODE_STEP, PREFILL, TORCH_DTYPES, build_trainable, trace_step
-from fitrl.modeling import DEFAULT_LORA_TARGETS, ModelArguments
-from fitrl.stages.base import Configs, Moves, Stage, config_of
+from fitrl.modeling import CLASSIFIER_HEADS, DEFAULT_LORA_TARGETS, ModelArguments, torch_dtype
+from fitrl.stages.base import Configs, Moves, RewardModel, Stage, config_of
 from fitrl.workload import Workload
 
 GiB = 2**30
@@ -128,18 +128,29 @@ def _static_bytes(config_json: str, w: Workload) -> tuple[tuple[str, int], ...]:
     )
 
 
-def reward_model_bytes(name_or_path: str | None, demo_cache_dir: str | None = None) -> int:
-    """Bytes of the sentiment classifier PPO loads beside the policy (fp32, as `SentimentReward` loads it)."""
-    if not name_or_path:
+def reward_model_bytes(spec: RewardModel | None, demo_cache_dir: str | None = None) -> int:
+    """Bytes of the classifier PPO loads beside the policy, as `SentimentReward` loads it: every tensor in
+    its dtype, but the linear layers outside its head in 8-bit (a byte a weight, a float scale a row) or
+    4-bit NF4 (half a byte, an 8-bit scale per 64 weights and a float per 256 scales)."""
+    if spec is None:
         return 0
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    config = architecture(name_or_path, demo_cache_dir)
+    config = architecture(spec.name, demo_cache_dir)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
+    width = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
+    quantized: dict[int, float] = {}
+    if spec.quantization != "none":
+        for name, module in model.named_modules():
+            head = any(part in CLASSIFIER_HEADS for part in name.split("."))  # bitsandbytes' skip rule
+            if isinstance(module, torch.nn.Linear) and not head:
+                w = module.weight
+                per = 1 + 4 / w.shape[1] if spec.quantization == "8bit" else 0.5 + 1 / 64 + 4 / (64 * 256)
+                quantized[id(w)] = w.numel() * per
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * 4 for t in tensors.values())
+    return int(sum(quantized.get(k, t.numel() * width) for k, t in tensors.items()))
 
 
 # --- what a step allocates ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_texts
-from fitrl.modeling import loading_errors, resolve_model_path
+from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
 
 
 @dataclass
@@ -60,6 +60,14 @@ class RewardArguments:
         "logit", "Score: the positive logit (the blog), its softmax probability, or its margin over the best other."
     )
     reward_batch_size: int = help_field(16, "Texts per classifier forward pass.")
+    reward_dtype: Literal["float32", "bfloat16", "float16"] = help_field(
+        "float32", "The reward model's dtype: bfloat16 / float16 halve its memory (the planner counts it)."
+    )
+    reward_quantization: Literal["none", "8bit", "4bit"] = help_field(
+        "none",
+        "Load the reward model's linear layers in 8-bit or 4-bit (bitsandbytes), its classification head in "
+        "reward_dtype: a 7B reward model beside a policy on one card.",
+    )
     reward_adapter: str | None = help_field(
         None,
         "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model, on the "
@@ -135,19 +143,19 @@ class SentimentReward:
     """Scores texts with a sequence classifier, which may use another tokenizer than the policy."""
 
     def __init__(self, args: RewardArguments, demo_cache_dir: str, device: torch.device):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
         check_reward_label(path, args.positive_label, args.reward_kind)
-        with loading_errors("reward model", path):
-            model, loading = AutoModelForSequenceClassification.from_pretrained(path, output_loading_info=True)
+        model, loading = load_classifier(path, args.reward_dtype, args.reward_quantization)
         if loading["missing_keys"]:
             missing = sorted(loading["missing_keys"])
             raise UsageError(
                 f"reward model {path} has no saved weights for {missing[0]} ({len(missing)} missing): its "
                 "classification head would be random; give a trained ...ForSequenceClassification model"
             )
-        self.model = model.to(device).eval()
+        # bitsandbytes places a quantized model as it loads it
+        self.model = model if args.reward_quantization != "none" else model.to(device)
         with loading_errors("reward model", path):
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         if self.tokenizer.pad_token is None:  # common in decoder reward models: batches need one

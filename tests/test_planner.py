@@ -129,6 +129,35 @@ def test_static_bytes_equal_the_real_tensors(
     assert planned["optimizer_states"] == tensor_bytes(optimizer_state_tensors(opt))
 
 
+def _loaded_bytes(model: torch.nn.Module) -> int:
+    """Every tensor a loaded model holds, bitsandbytes' scales included (8-bit: a float per row, `SCB`;
+    4-bit: its quant state's absmax, nested absmax and offset)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        state = getattr(t, "quant_state", None)
+        extras = [getattr(t, "SCB", None)]
+        if state is not None:
+            extras += [state.absmax, getattr(state, "offset", None), state.state2.absmax if state.state2 else None]
+        total += sum(x.numel() * x.element_size() for x in [t, *extras] if isinstance(x, torch.Tensor))
+    return total
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "8bit"), ("bfloat16", "4bit")]
+)
+def test_the_reward_model_is_planned_as_it_loads(demo_root: Path, dtype: str, quantization: str) -> None:
+    """PPO's reward classifier in each precision: the planned bytes are what loading it holds (within 1%)."""
+    from fitrl.modeling import load_classifier
+    from fitrl.stages.base import RewardModel
+
+    model, _ = load_classifier(str(demo_root / "classifier"), dtype, quantization)
+    planned = planner.reward_model_bytes(RewardModel(str(demo_root / "classifier"), dtype, quantization))
+    assert planned == pytest.approx(_loaded_bytes(model), rel=0.01)
+
+
 def test_full_finetuning_static_bytes_equal_the_real_tensors() -> None:
     config = tiny_config("llama")
     w = Workload("sft", dtype="bfloat16", finetuning="full", optimizer="adamw")

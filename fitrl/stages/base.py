@@ -51,7 +51,17 @@ class StageMemory:
     eight_bit_optimizer: str  # its 8-bit choice the planner suggests
     batch_moves: Callable[[Configs], Moves]
     shape_moves: Callable[[Configs], Moves] = lambda configs: []
-    reward_model: Callable[[Configs], str | None] = lambda configs: None  # a second model loaded beside
+    reward_model: Callable[[Configs], RewardModel | None] = lambda configs: None  # a second model loaded beside
+
+
+@dataclass(frozen=True)
+class RewardModel:
+    """A model a stage loads beside the one it trains (PPO's reward classifier): what it costs depends on
+    its precision as loaded."""
+
+    name: str
+    dtype: str = "float32"
+    quantization: str = "none"  # "none" | "8bit" | "4bit"
 
 
 @dataclass(frozen=True)

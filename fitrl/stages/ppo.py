@@ -20,6 +20,7 @@ from fitrl.stages.base import (
     STRICT_GUARDS_HELP,
     Configs,
     Moves,
+    RewardModel,
     Stage,
     StageMemory,
     config_of,
@@ -195,10 +196,12 @@ def monitors(args: PPOArguments) -> list[Limit]:
     ]  # fmt: skip
 
 
-def reward_model(args: RewardArguments) -> str | None:
-    """The model loaded beside the policy to score: none when the reward is an adapter on its backbone, or
-    a function."""
-    return None if args.reward_adapter or args.reward_function else args.reward_model
+def reward_model(args: RewardArguments) -> RewardModel | None:
+    """The model loaded beside the policy to score, as loaded: none when the reward is an adapter on its
+    backbone, or a function."""
+    if args.reward_adapter or args.reward_function:
+        return None
+    return RewardModel(args.reward_model, args.reward_dtype, args.reward_quantization)
 
 
 def batch_moves(configs: Configs) -> Moves:
