@@ -286,9 +286,17 @@ def heldout_callback(run: Run) -> Any:
         run.health, "held-out accuracy", args.guard_heldout_drop, "check what the rewards pay for, or set beta > 0"
     )
 
+    # batches no larger than this process's generation batch in training, which the memory plan holds
+    per_step = args.steps_per_generation or args.gradient_accumulation_steps
+    world = run.training_args.world_size
+    size = (
+        args.generation_batch_size // world
+        if args.generation_batch_size
+        else args.per_device_train_batch_size * per_step
+    )
+    size = max(1, min(32, size))
+
     def accuracy(model: Any) -> float:
-        # batches no larger than the training's generation batch, which the memory plan holds
-        size = min(16, args.per_device_train_batch_size)
         completions = complete_chats(
             model, run.tokenizer, run.heldout["prompt"], args.max_completion_length, batch_size=size
         )
