@@ -327,3 +327,27 @@ def test_a_frozen_adapter_on_the_demo_model_stops_before_the_first_step(demo_roo
     args = SimpleNamespace(deepspeed=None, fsdp=None)
     with pytest.raises(RunFailed, match="nothing to train: the model has 0 trainable parameters"):
         guard_callback(Health()).on_train_begin(args, SimpleNamespace(global_step=0), None, model=frozen)
+
+
+def test_the_stages_own_monitors_fire_on_collapsing_looping_or_mismatched_runs() -> None:
+    """GRPO's and PPO's limits as their configs set them (defaults), fed the rows such runs log."""
+    from fitrl.guards import Monitors
+    from fitrl.stages import grpo, ppo
+
+    health = Health()
+    watch = Monitors(health, grpo.monitors(grpo.GRPOArguments()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, length in enumerate([20.0, 12.0, 3.0, 3.0, 3.0, 3.0, 3.0], 1):  # learns to stop at once
+            watch({"completions/mean_length": length, "completions/clipped_ratio": 0.0}, step)
+    assert [str(w.message) for w in caught] == [
+        "guard 'length' at step 7: completions/mean_length 3 is below 4 (0.2 x its first 20) for 5 logged "
+        "steps: completions collapse toward nothing: a reward that pays for ending early?"
+    ]
+    loops = Health()
+    watch = Monitors(loops, ppo.monitors(ppo.PPOArguments()))
+    with pytest.warns(UserWarning, match=r"guard 'repetition' at step 5: env/repetition 0.45 is above 0.3 for 5"):
+        for step in range(1, 6):
+            watch({"env/repetition": 0.45, "objective/kl": 2.0}, step)
+    with pytest.warns(UserWarning, match=r"guard 'kl' at step 6: objective/kl -3 is below -1: the sampling"):
+        watch({"objective/kl": -3.0}, 6)
