@@ -324,17 +324,18 @@ def one_thread_rule() -> int:
     return threads
 
 
-def close_process_group() -> None:
-    """Leave torch.distributed once a stage is done: every rank meets, then the group is destroyed. A gloo
-    group left to the interpreter's exit can abort a rank (SIGABRT, "terminate called without an active
-    exception") after the outputs are written, and the launcher then fails the finished run."""
+def close_process_group() -> bool:
+    """Leave torch.distributed once a stage is done: every rank meets, then the group is destroyed.
+    Returns whether there was one to leave."""
     if "torch.distributed" not in sys.modules:  # no process group without it
-        return
+        return False
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
@@ -348,7 +349,14 @@ def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
         try:
             with signals.terminate_cleanly():
                 result = main(*args, **kwargs)
-            close_process_group()
+            if close_process_group():
+                # A rank of a finished trl stage under gloo can still abort in the interpreter's own
+                # teardown (SIGABRT, "terminate called without an active exception": a C++ thread of
+                # torch.distributed destroyed while joinable), and the launcher then fails the finished
+                # run. Everything is written and closed by now: leave without that teardown.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
             return result
         except UsageError as e:
             _fail(str(e), EXIT_USAGE)
