@@ -17,6 +17,7 @@ after the stage's name, but those two, goes to the stage. `accelerate launch scr
 
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import subprocess
 import sys
@@ -81,22 +82,54 @@ def launcher(options: list[str]) -> list[str]:
     path = Path(options[options.index("--config_file") + 1])
     if not path.is_file():
         fail(f"accelerate config {path} does not exist; give a file (configs/accelerate/ has the shipped ones)")
+    if "DEEPSPEED" in path.read_text() and importlib.util.find_spec("deepspeed") is None:
+        fail(f"accelerate config {path} asks for DeepSpeed, which is not installed; pip install deepspeed")
     return ["accelerate", "launch", "--quiet", *options]
 
 
+class StderrFilter:
+    """A stage's stderr as it comes, chunk by chunk (progress bars stay live), except that an `error:` line
+    passes once however many ranks say it, and once the stage has failed only `error:` lines pass, so
+    accelerate's traceback after it does not bury the one line that says what to fix."""
+
+    MARK = b"error: "
+
+    def __init__(self) -> None:
+        self.held = b""  # the start of a line that may become an `error:` line: held until it ends
+        self.inside = False  # within a line already passed in part (a progress bar's)
+        self.said: set[bytes] = set()
+
+    def __call__(self, chunk: bytes, failed: bool) -> bytes:
+        data, self.held, out = self.held + chunk, b"", []
+        while data:
+            line, newline, data = data.partition(b"\n")
+            if not newline:  # a line not ended yet
+                if not self.inside and self.MARK.startswith(line[: len(self.MARK)]):
+                    self.held = line
+                elif not failed:
+                    out.append(line)
+                    self.inside = True
+                break
+            if not self.inside and line.startswith(self.MARK):
+                if line not in self.said:
+                    self.said.add(line)
+                    out.append(line + newline)
+            elif not failed:
+                out.append(line + newline)
+            self.inside = False
+        return b"".join(out)
+
+
 def run_filtered(command: list[str]) -> int:
-    """Run `command`, its output passed through; once the stage has recorded a failure, only `error:`
-    lines pass, so accelerate's traceback after it does not bury the one line that says what to fix."""
+    """Run `command` with its stderr through a `StderrFilter`; the stage's own exit code."""
     with status_file() as (env, status):
         proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
-        held = b""  # once the stage failed: the start of a line not yet ended
-        for chunk in iter(lambda: proc.stderr.read1(4096), b""):  # chunks, not lines: progress bars live
-            if not (status.is_file() and status.read_text().strip() not in ("", "0")):
-                sys.stderr.buffer.write(chunk)
-            else:
-                *lines, held = (held + chunk).split(b"\n")
-                sys.stderr.buffer.write(b"".join(line + b"\n" for line in lines if line.startswith(b"error: ")))
+        passed = StderrFilter()
+        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+            failed = status.is_file() and status.read_text().strip() not in ("", "0")
+            sys.stderr.buffer.write(passed(chunk, failed))
             sys.stderr.buffer.flush()
+        sys.stderr.buffer.write(passed(b"\n", False) if passed.held else b"")
         return stage_exit_code(proc.wait(), status)
 
 

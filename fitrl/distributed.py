@@ -7,14 +7,26 @@ Everything in fitrl that asks "which rank am I" goes through here.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+
+# What `accelerate launch` sets from a DeepSpeed or FSDP config, before any process state exists.
+SHARDING_ENV = {"ACCELERATE_USE_DEEPSPEED": "DeepSpeed", "ACCELERATE_USE_FSDP": "FSDP"}
 
 
 def cpu_only() -> bool:
     """True when there is no GPU to run on (then DDP runs over gloo on CPU processes)."""
     return not torch.cuda.is_available()
+
+
+def sharded_launch() -> str | None:
+    """The sharding this process was launched with ('DeepSpeed', 'FSDP'), or None for one device or DDP."""
+    for variable, name in SHARDING_ENV.items():
+        if os.environ.get(variable, "").lower() in ("1", "true", "yes"):
+            return name
+    return None
 
 
 def process_state() -> Any:

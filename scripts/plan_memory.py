@@ -60,7 +60,13 @@ def planner_arguments() -> argparse.ArgumentParser:
         "--architecture",
         help="Plan with this model's architecture (e.g. when model_name_or_path is a stage output not written yet).",
     )  # noqa: E501
-    parser.add_argument("--world_size", type=int, default=1, help="Processes (GPUs) the run is launched on.")
+    parser.add_argument(
+        "--world_size",
+        type=int,
+        default=1,
+        help="Processes (GPUs) the run is launched on, each holding the whole model (one card or DDP): sharded "
+        "runs (DeepSpeed ZeRO, FSDP) are not planned.",
+    )
     parser.add_argument("--json", action="store_true", help="Print one JSON object instead of the table.")
     parser.add_argument("--brief", action="store_true", help="Print one line: the peak, its phase and the verdict.")
     parser.add_argument("--suggest", action="store_true", help="Search the settings nearest to this one that fit.")

@@ -46,7 +46,7 @@ from fitrl.config import (
     save_run_config,
 )
 from fitrl.demo import DemoArguments
-from fitrl.distributed import cpu_only, tensor_digest
+from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.guards import (
     GradientGuard,
@@ -179,6 +179,12 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "PPO", config_dict(*configs)
     )
+    if sharding := sharded_launch():
+        raise UsageError(
+            f"PPO does not run under {sharding}: its policy, reference, value head and reward adapter share one "
+            "backbone that sharding would split; launch on one device or with DDP (configs/accelerate/"
+            "single_gpu.yaml, ddp_2gpu.yaml)"
+        )
     model_path = resolve_model_path(model_args.model_name_or_path, cache)
     check_reward(reward_args, model_args.model_name_or_path, model_path, cache)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
@@ -306,7 +312,7 @@ def prepare(run: Run) -> None:
     run.unwrapped = run.accelerator.unwrap_model(run.model)
     run.health.strict = run.args.strict_guards
     check_trainable(run.unwrapped, run.health)
-    run.gradients = GradientGuard(run.health, sharded=run.accelerator.distributed_type in ("DEEPSPEED", "FSDP"))
+    run.gradients = GradientGuard(run.health)
     run.monitors = Monitors(run.health, monitors(run.args))
     if run.judge is not None:
         advice = "check what the reward model pays for, or raise init_kl_coef"

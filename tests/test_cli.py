@@ -52,6 +52,34 @@ def test_a_stage_refusing_its_config_under_accelerate_keeps_its_exit_code_and_on
     assert not (tmp_path / "sft").exists()
 
 
+def test_the_stderr_filter_keeps_bars_live_and_says_an_error_line_once() -> None:
+    from fitrl.cli import StderrFilter
+
+    passed = StderrFilter()
+    # a progress bar passes as it comes, mid-line; an error line is held until it ends
+    assert passed(b"10%|#  \r20%|## ", failed=False) == b"10%|#  \r20%|## "
+    assert passed(b"\rdone\nerr", failed=False) == b"\rdone\n"
+    assert passed(b"or: bad value", failed=False) == b""
+    assert passed(b"\n", failed=False) == b"error: bad value\n"
+    # the second rank's same line, then accelerate's traceback once the stage has failed
+    assert passed(b"error: bad value\nTraceback (most recent call last):\n  File", failed=True) == b""
+    assert passed(b' "x.py"\nerror: another\n', failed=True) == b"error: another\n"
+
+
+def test_ppo_under_a_sharding_config_is_refused_in_one_line(tmp_path: Path) -> None:
+    """FSDP2 over two CPU processes: each rank refuses, and the line is said once."""
+    fsdp2 = CONFIGS / "accelerate" / "fsdp2.yaml"
+    result = _fitrl("ppo", "--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://lm",
+                    "--output_dir", tmp_path / "ppo", "--config_file", fsdp2)  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: PPO does not run under FSDP: its policy, reference, value head and reward adapter share one backbone "
+        "that sharding would split; launch on one device or with DDP (configs/accelerate/single_gpu.yaml, "
+        "ddp_2gpu.yaml)"
+    ]
+    assert not (tmp_path / "ppo").exists()
+
+
 def test_tools_run_with_their_own_options(demo_cache: Path) -> None:
     result = _fitrl("plan", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--brief")
     assert result.returncode == 0, result.stderr[-2000:]
