@@ -56,6 +56,7 @@ def settings(stage: str, mode: str, generations: int = 4) -> dict:
             "optimizer": "adamw_8bit" if eight_bit else "adamw",
             "mini_batch_size": 16,
             "gradient_accumulation_steps": 1,
+            "prompt_shaping": "prefix",
             "query_max_tokens": 8,
             "response_max_tokens": 16,
             "forward_batch_size": 16,

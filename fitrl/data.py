@@ -156,20 +156,28 @@ def load_text_dataset(
     return ds
 
 
-def load_texts(
-    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
-) -> list[str]:
-    """`load_text_dataset`'s texts as a list. .jsonl files (the demo's too) are read here, without
-    importing `datasets` (76 MB of a PPO process's memory and most of a second of its start-up)."""
+def load_column(source: str, split: str, column: str, demo_cache_dir: str) -> list[Any]:
+    """Every row's value in `column` (None where a .jsonl row lacks it). .jsonl files (the demo's too) are
+    read here, without importing `datasets` (76 MB of a PPO process's memory and most of a second of its
+    start-up)."""
     try:
         files = _source_files(source, split, demo_cache_dir)
         if files is None or any(p.suffix != ".jsonl" for p in files):
-            return list(load_text_dataset(source, split, text_column, demo_cache_dir, max_samples, min_chars)["text"])
+            ds = load_dataset_any(source, split, demo_cache_dir)
+            check_columns(ds.column_names, [column], source)
+            return list(ds[column])
         rows = [row for p in files for row in _json_rows(p)]
     except OSError as e:
         raise UsageError(f"cannot read dataset {source}: {first_line(e)}") from None
-    check_columns(list(dict.fromkeys(key for row in rows for key in row)), [text_column], source)
-    texts = [row[text_column] for row in rows if _is_text(row.get(text_column), min_chars)]
+    check_columns(list(dict.fromkeys(key for row in rows for key in row)), [column], source)
+    return [row.get(column) for row in rows]
+
+
+def load_texts(
+    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
+) -> list[str]:
+    """The texts of `text_column` with at least `min_chars` characters, the first `max_samples` of them."""
+    texts = [v for v in load_column(source, split, text_column, demo_cache_dir) if _is_text(v, min_chars)]
     if not texts:
         raise _no_text(source, min_chars, text_column)
     return texts[:max_samples]

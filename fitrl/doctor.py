@@ -223,9 +223,7 @@ def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[
                 limited = dataclasses.replace(config, max_samples=min(config.max_samples or ROWS_CHECKED, ROWS_CHECKED))
                 rows = len(gsm8k.load_problems(limited, demo_cache_dir)[0])
             elif isinstance(config, sentiment.PromptArguments):
-                min_chars = config.min_review_chars + 1
-                rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_cache_dir,
-                                           ROWS_CHECKED, min_chars))  # fmt: skip
+                rows = len(sentiment.read_prompts(config, demo_cache_dir, ROWS_CHECKED)[0])
             else:  # SFT: a text column
                 rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_cache_dir,
                                            ROWS_CHECKED))  # fmt: skip

@@ -400,13 +400,14 @@ def check_prompts(rendered: str, dropped: int, total: int, limit: int, health: H
         )
     else:
         health.passed("template", "the rendered prompt opens no block the completion must open")
-    share = dropped / max(total, 1)
+    check_prompt_length(dropped, total, limit, health)
+
+
+def check_prompt_length(dropped: int, total: int, limit: int, health: Health, cut: int = 0) -> None:
+    """Few prompts are over the length limit: dropped ones are data lost, cut ones lost their start."""
+    share = (dropped + cut) / max(total, 1)
+    what = f"{dropped} of {total} prompts over {limit} tokens dropped" + (f", {cut} cut" if cut else "")
     if share > DROPPED_SHARE:
-        health.failed(
-            "prompt_length",
-            f"{dropped} of {total} prompts ({share:.0%}) are longer than {limit} tokens and were dropped; raise the "
-            "prompt length limit",
-            0,
-        )
+        health.failed("prompt_length", f"{what} ({share:.0%}); raise the prompt length limit", 0)
     else:
-        health.passed("prompt_length", f"{dropped} of {total} prompts over {limit} tokens, dropped")
+        health.passed("prompt_length", what)

@@ -14,22 +14,41 @@ from typing import Any, Literal
 
 import torch
 
+from fitrl.chat import CHAT_TEMPLATE_HELP, check_chat, is_chat, render_prompt_chat, use_chat_template
 from fitrl.config import UsageError, check, first_line, help_field
-from fitrl.data import load_texts
+from fitrl.data import load_column
 from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
 
 
 @dataclass
 class PromptArguments:
-    """Where prompts come from and how long queries and responses are (the blog's IMDB setup)."""
+    """Where prompts come from, how each becomes a query, and how long responses are."""
 
     dataset: str = help_field("stanfordnlp/imdb", "Hub id, local file/dir, or demo://reviews.")
     dataset_split: str = help_field("train", "Split the prompts come from.")
-    text_column: str = help_field("text", "Column holding the review text.")
-    min_review_chars: int = help_field(200, "Only reviews longer than this many characters become prompts.")
-    max_prompts: int | None = help_field(None, "Use at most this many reviews as prompts (all when empty).")
-    query_min_tokens: int = help_field(2, "A query is the first n tokens of a review, n drawn from [min, max].")
-    query_max_tokens: int = help_field(8, "Upper end of the query length range.")
+    text_column: str = help_field(
+        "text",
+        "Column holding each prompt: a text, or a chat (a list of role/content messages, e.g. 'messages') "
+        "rendered with the chat template up to the assistant's turn.",
+    )
+    chat_template: str | None = help_field(None, CHAT_TEMPLATE_HELP)
+    prompt_shaping: Literal["whole", "prefix"] = help_field(
+        "whole",
+        "'whole': each prompt as it is. 'prefix': only the first n tokens of each text, n drawn from "
+        "[query_min_tokens, query_max_tokens] (the blog's IMDB task: continue a review's opening).",
+    )
+    max_prompt_tokens: int = help_field(
+        256, "A whole prompt longer than this many tokens is dropped or cut (prompt_overflow); counted, reported."
+    )
+    prompt_overflow: Literal["drop", "left_truncate"] = help_field(
+        "drop", "'left_truncate': keep a long prompt's last max_prompt_tokens tokens (its end: the assistant's cue)."
+    )
+    min_prompt_chars: int = help_field(
+        0, "Prompts of this many characters or fewer are dropped (counted and reported); the IMDB profiles: 200."
+    )
+    max_prompts: int | None = help_field(None, "Use at most this many prompts (all when empty).")
+    query_min_tokens: int = help_field(2, "prompt_shaping prefix: a query is a text's first n tokens, n >= this.")
+    query_max_tokens: int = help_field(8, "prompt_shaping prefix: the upper end of n.")
     response_min_tokens: int = help_field(4, "Each response gets a length drawn from [min, max] new tokens.")
     response_max_tokens: int = help_field(16, "Upper end of the response length range.")
     stop_at_eos: bool = help_field(
@@ -46,6 +65,13 @@ class PromptArguments:
             "in [1, response_max_tokens]",
         )
         check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", "empty or >= 1")
+        check(self.max_prompt_tokens >= 1, "max_prompt_tokens", ">= 1")
+        check(self.min_prompt_chars >= 0, "min_prompt_chars", ">= 0")
+
+    @property
+    def longest_query(self) -> int:
+        """The most tokens a query can have."""
+        return self.query_max_tokens if self.prompt_shaping == "prefix" else self.max_prompt_tokens
 
 
 @dataclass
@@ -277,19 +303,83 @@ def corpus_word_share(queries: list[str], responses: list[str], vocabulary: set[
     return sum(w in vocabulary for w in found) / len(found) if found else 1.0
 
 
-def build_queries(tokenizer: Any, args: PromptArguments, demo_cache_dir: str, seed: int) -> list[list[int]]:
-    """Token ids of each query: the first n tokens of each long-enough review, n drawn per review."""
-    texts = load_texts(
-        args.dataset,
-        args.dataset_split,
-        args.text_column,
-        demo_cache_dir,
-        max_samples=args.max_prompts,
-        min_chars=args.min_review_chars + 1,
-    )
+@dataclass
+class Queries:
+    """The prompts as token ids, and what became of the rows that are not among them."""
+
+    ids: list[list[int]]
+    rows: int  # rows read
+    short: int  # dropped: no text, or min_prompt_chars characters or fewer
+    long: int  # dropped: over max_prompt_tokens
+    cut: int  # left-truncated to max_prompt_tokens
+    chat: bool  # rendered from chats
+    plain_template: bool  # with the plain template, the tokenizer having none
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def summary(self, args: PromptArguments) -> str:
+        kind = "chats" if self.chat else "texts"
+        parts = [f"{len(self.ids)} prompts from {self.rows} {kind} of {args.dataset}"]
+        if self.short:
+            parts.append(f"{self.short} dropped: {args.min_prompt_chars} characters or fewer")
+        if self.long:
+            parts.append(f"{self.long} dropped: over {args.max_prompt_tokens} tokens")
+        if self.cut:
+            parts.append(f"{self.cut} cut to their last {args.max_prompt_tokens} tokens")
+        if self.plain_template:
+            parts.append("the tokenizer has no chat template: the plain Question/Answer one renders them")
+        return "; ".join(parts)
+
+
+def read_prompts(args: PromptArguments, demo_cache_dir: str, rows: int | None = None) -> tuple[list[Any], bool]:
+    """The prompt column's values (the first `rows`), and whether they are chats, each checked."""
+    values = load_column(args.dataset, args.dataset_split, args.text_column, demo_cache_dir)[:rows]
+    chat = any(is_chat(v) for v in values)
+    if chat and args.prompt_shaping == "prefix":
+        raise UsageError(
+            f"column '{args.text_column}' holds chats, which prompt_shaping prefix cannot cut; set prompt_shaping whole"
+        )
+    for row, value in enumerate(values if chat else []):
+        if value is not None:  # a row without one counts as too short
+            check_chat(value, args.text_column, row, prompt=True)
+    return values, chat
+
+
+def build_queries(tokenizer: Any, args: PromptArguments, demo_cache_dir: str, seed: int) -> Queries:
+    """Token ids of each query: a whole prompt (a chat rendered up to the assistant's turn), or the first n
+    tokens of a text with n drawn per text (`prompt_shaping: prefix`)."""
+    values, chat = read_prompts(args, demo_cache_dir)
+    plain_template = chat and use_chat_template(tokenizer, args.chat_template)
     rng = random.Random(seed)
-    queries = []
-    for text in texts:
-        n = rng.randint(args.query_min_tokens, args.query_max_tokens)
-        queries.append(tokenizer(text, add_special_tokens=False).input_ids[:n])
+    queries = Queries([], len(values), 0, 0, 0, chat, plain_template)
+    for row, value in enumerate(values):
+        if args.max_prompts is not None and len(queries.ids) == args.max_prompts:
+            break
+        if chat:
+            content = "".join(m["content"] for m in value or [])
+        else:
+            content = value if isinstance(value, str) else ""
+        if len(content.strip()) <= args.min_prompt_chars:
+            queries.short += 1
+            continue
+        if args.prompt_shaping == "prefix":
+            n = rng.randint(args.query_min_tokens, args.query_max_tokens)
+            queries.ids.append(tokenizer(content, add_special_tokens=False).input_ids[:n])
+            continue
+        if chat:  # the template writes the special tokens itself
+            ids = tokenizer(
+                render_prompt_chat(tokenizer, value, args.text_column, row), add_special_tokens=False, verbose=False
+            )
+        else:
+            ids = tokenizer(content, verbose=False)  # a long one is counted below, not warned about
+        ids = ids.input_ids
+        if len(ids) > args.max_prompt_tokens:
+            if args.prompt_overflow == "drop":
+                queries.long += 1
+                continue
+            ids, queries.cut = ids[-args.max_prompt_tokens :], queries.cut + 1
+        queries.ids.append(ids)
+    if not queries.ids:
+        raise UsageError(f"dataset {args.dataset} gives no prompts: {queries.summary(args)}; check its rows")
     return queries

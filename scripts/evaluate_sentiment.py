@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
     adapter_dir, model_path = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)[: args.n_prompts]
+    queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed).ids[: args.n_prompts]
 
     from peft import PeftModel
 

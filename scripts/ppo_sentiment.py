@@ -53,6 +53,7 @@ from fitrl.guards import (
     HackingGuard,
     Health,
     Monitors,
+    check_prompt_length,
     check_reference,
     check_reward_signal,
     check_reward_tokenizer,
@@ -106,6 +107,7 @@ class Run:
     tokenizer: Any
     queries: list[list[int]]
     resume: Path | None
+    prompts: str = ""  # what became of the prompt rows (`Queries.summary`)
     out: Path | None = None
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
     unwrapped: Any = None  # PolicyAndValue itself
@@ -205,7 +207,15 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=logs,
     )
-    run = Run(*configs, accelerator, model_path, tokenizer, queries, resume)
+    run = Run(*configs, accelerator, model_path, tokenizer, queries.ids, resume)
+    run.prompts = queries.summary(prompt_args)
+    if accelerator.is_main_process:
+        print(f"PPO: {run.prompts}")
+    if prompt_args.prompt_shaping == "whole":
+        check_prompt_length(queries.long, queries.rows - queries.short, prompt_args.max_prompt_tokens, run.health,
+                            queries.cut)  # fmt: skip
+    else:
+        run.health.passed("prompt_length", f"prompt_shaping prefix: queries of at most {prompt_args.longest_query}")
     run.judge_queries = judge_queries(run)
     run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, accelerator.num_processes)
     return run
@@ -339,7 +349,7 @@ def judge_queries(run: Run) -> list[list[int]]:
         prompt_args, dataset_split=args.guard_judge_split, max_prompts=args.guard_judge_prompts
     )
     try:
-        return build_queries(run.tokenizer, heldout, run.demo_args.demo_cache_dir, args.seed)
+        return build_queries(run.tokenizer, heldout, run.demo_args.demo_cache_dir, args.seed).ids
     except UsageError as e:
         raise UsageError(f"{e}; set guard_judge_split to a held-out split, or leave guard_judge_model empty") from None
 
@@ -597,6 +607,7 @@ def finish(run: Run) -> None:
         health=run.health,
         details={
             "n_prompts": len(run.queries),
+            "prompts": run.prompts,
             "rank_first_prompts": rank_prompts,
             "frozen_base_digest": run.frozen_digest,
             "frozen_base_verified": run.frozen_digest is not None,

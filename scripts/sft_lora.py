@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fitrl.chat import check_chat, is_chat, use_chat_template
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import config_dict, entrypoint
-from fitrl.data import load_text_dataset
+from fitrl.data import load_dataset_any, load_text_dataset, require_columns
 from fitrl.demo import DemoArguments
+from fitrl.distributed import process_state
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
@@ -79,11 +81,28 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     )
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    dataset = load_text_dataset(
-        args.dataset, args.dataset_split, args.text_column, demo_args.demo_cache_dir, args.max_samples
-    )
+    dataset, chats = examples(args, demo_args.demo_cache_dir)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
+    if chats and use_chat_template(tokenizer, args.chat_template) and process_state().is_main_process:
+        print("SFT: the tokenizer has no chat template: the plain Question/Answer one renders the chats")
     return Run(*configs, model_path, dataset, tokenizer, str(resume) if resume else None, checkpoints_existed)
+
+
+def examples(args: SFTArguments, demo_cache_dir: str) -> tuple[Any, bool]:
+    """The training examples, and whether they are chats: a `text` column, or a `messages` column of chats
+    (each row checked) that trl renders with the chat template."""
+    ds = load_dataset_any(args.dataset, args.dataset_split, demo_cache_dir)
+    require_columns(ds, [args.text_column], args.dataset)
+    values = ds[args.text_column]
+    if not any(is_chat(v) for v in values):
+        return load_text_dataset(args.dataset, args.dataset_split, args.text_column, demo_cache_dir,
+                                 args.max_samples), False  # fmt: skip
+    for row, value in enumerate(values):
+        if value is not None:
+            check_chat(value, args.text_column, row, prompt=False)
+    ds = ds.select_columns([args.text_column]).filter(lambda r: r[args.text_column] is not None)
+    ds = ds.rename_column(args.text_column, "messages") if args.text_column != "messages" else ds
+    return ds.select(range(min(args.max_samples or len(ds), len(ds)))), True
 
 
 def build(run: Run) -> None:

@@ -32,11 +32,15 @@ def demo_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path
 
     Under pytest-xdist every worker asks for them: the directory is the session's, shared by the
     workers, and `demo.build`'s file lock lets one build while the others wait and reuse.
+    `FITRL_TEST_DEMO_CACHE=~/.cache/fitrl/demo` reuses a built cache instead, when iterating on a few
+    tests; CI leaves it unset, so every CI run builds the demo from its seed.
     """
     from fitrl import demo
 
     base = tmp_path_factory.getbasetemp()
     cache = (base if worker_id == "master" else base.parent) / "demo-cache"
+    if os.environ.get("FITRL_TEST_DEMO_CACHE"):
+        cache = Path(os.environ["FITRL_TEST_DEMO_CACHE"]).expanduser()
     demo.build(cache)
     return cache
 

@@ -106,6 +106,16 @@ def test_a_jsonl_row_that_is_not_utf8_names_its_line(
     assert "line 2 is not UTF-8 text (byte 0xe9" in line and "save the file as UTF-8" in line
 
 
+def test_an_sft_chat_row_that_is_no_chat_names_its_row(
+    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data = tmp_path / "chats.jsonl"
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    data.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": [{"content": "Hi"}]}) + "\n")
+    line = _sft(capsys, tmp_path, demo_cache, "--dataset", data, "--text_column", "messages")
+    assert "row 2 of column 'messages' is not a chat" in line
+
+
 def test_an_output_name_longer_than_a_file_name_can_be(
     tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
 ) -> None:

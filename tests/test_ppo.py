@@ -172,31 +172,6 @@ def test_a_reward_classifier_without_its_head_weights_is_refused(
     assert not out.exists()
 
 
-@pytest.mark.slow
-def test_a_scalar_reward_model_without_a_pad_token_scores_and_a_label_score_is_refused(
-    tmp_path: Path, demo_cache: Path, demo_root: Path
-) -> None:
-    """Reward models as found in the wild: one output (`num_labels=1`) and a decoder tokenizer with no pad
-    token. It scores (padding with EOS, said once); asking it for a softmax or a margin, which would be
-    constant, is one line."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    scalar = tmp_path / "scalar-rm"
-    torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_pretrained(demo_root / "lm", num_labels=1).save_pretrained(scalar)
-    tokenizer = AutoTokenizer.from_pretrained(demo_root / "lm")
-    assert tokenizer.pad_token is None
-    tokenizer.save_pretrained(scalar)
-    refused = _ppo(tmp_path / "never", demo_cache, "--reward_model", scalar, "--reward_kind", "probability")
-    assert refused.returncode == 2 and "a scalar reward model" in error_line(refused)
-    out = tmp_path / "run"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "1", "--reward_model", scalar)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("has no pad token; padding with its EOS token") == 1
-    row = read_jsonl(out / "metrics.jsonl")[0]
-    assert row["env/reward_std"] > 0  # the rewards differ from text to text: a signal, not a constant
-
-
 def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
     tmp_path: Path, demo_cache: Path, demo_root: Path
 ) -> None:
@@ -226,6 +201,7 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
         "entropy": True,
         "clipping": True,
         "repetition": True,
+        "prompt_length": True,  # the demo's prefix shaping: no prompt over the limit
     }, health
     stopped = _ppo(tmp_path / "strict", demo_cache, *SMALL, "--steps", "2", "--reward_model", constant,
                    "--strict_guards", "true")  # fmt: skip

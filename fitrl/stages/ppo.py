@@ -169,7 +169,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
         args.gradient_checkpointing,
         optimizer=args.optimizer,
         micro_batch=args.mini_batch_size // args.gradient_accumulation_steps,
-        prompt_len=prompts.query_max_tokens,
+        prompt_len=prompts.longest_query,
         completion_len=prompts.response_max_tokens,
         gen_batch=generation_batch(args.generation_batch_size, args.forward_batch_size, args.batch_size),
         nograd_batch=min(args.forward_batch_size, args.batch_size),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitrl.chat import CHAT_TEMPLATE_HELP
 from fitrl.config import check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
@@ -36,8 +37,13 @@ class SFTArguments(TrainerSettings):
         "stanfordnlp/imdb", "Hub dataset id, a local .jsonl/.csv/.parquet file or directory, or demo://reviews."
     )
     dataset_split: str = help_field("train", "Split to train on.")
-    text_column: str = help_field("text", "Column holding the review text.")
-    max_samples: int | None = help_field(None, "Use at most this many reviews (all when empty).")
+    text_column: str = help_field(
+        "text",
+        "Column holding each example: a text, or a chat (a list of role/content messages, e.g. 'messages') that "
+        "trl renders with the chat template.",
+    )
+    chat_template: str | None = help_field(None, CHAT_TEMPLATE_HELP)
+    max_samples: int | None = help_field(None, "Use at most this many examples (all when empty).")
     block_size: int = help_field(512, "Tokens per packed training block: reviews are concatenated and cut.")
 
     def validate(self) -> None:

@@ -1,0 +1,137 @@
+"""A new user's journey, with their own model, data and reward, through the `fitrl` command and config
+files only (issue: "your own model, data and reward"): a tiny Qwen2-style model with a ChatML chat
+template, SFT on a `messages` file, PPO on chat prompts against a scalar reward model whose tokenizer
+has no pad token, GRPO with a reward function in a file of its own on question/answer data whose
+answers are plain numbers, and a usage error that is one line and exit 2.
+
+Every model and file is built here, as a user would bring them; nothing comes from the hub or the demo.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fitrl.config import load_run_info
+from fitrl.outputs import read_jsonl
+
+FITRL = Path(sys.executable).parent / "fitrl"
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+MY_REWARDS = '''
+def brevity(completions, **kwargs):
+    """Shorter answers score higher."""
+    return [-len(c[0]["content"]) / 100 for c in completions]
+'''
+TINY = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
+
+
+def _models(root: Path, demo_root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen2-style policy with a ChatML template, and a scalar (one-output) reward model whose
+    tokenizer has no pad token, as many on the hub are."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_root / "lm")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    policy, scorer = root / "my-qwen", root / "my-reward-model"
+    Qwen2ForCausalLM(config).save_pretrained(policy)
+    tokenizer.save_pretrained(policy)
+    # a Llama-style reward model (a tokenizer of that kind has no pad token unless one is set)
+    shape = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    LlamaForSequenceClassification(LlamaConfig(**shape, num_attention_heads=4, num_labels=1)).save_pretrained(scorer)
+    tokenizer.save_pretrained(scorer)
+    return policy, scorer
+
+
+def _data(root: Path) -> None:
+    sums = [(a, b) for a in range(8) for b in range(4)]
+    questions = [{"q": f"What is {a} + {b}?", "a": a + b} for a, b in sums]  # the answer: a number alone
+    chats = [
+        [{"role": "user", "content": q["q"]}, {"role": "assistant", "content": f"It is {q['a']}."}] for q in questions
+    ]
+    prompts = [[{"role": "system", "content": "Answer kindly."}, c[0]] for c in chats]
+    for name, rows in [
+        ("chats.jsonl", [{"messages": c} for c in chats]),
+        ("prompts.jsonl", [{"messages": p} for p in prompts]),
+        ("questions.jsonl", questions),
+    ]:
+        (root / "data").mkdir(exist_ok=True)
+        (root / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "my_rewards.py").write_text(MY_REWARDS)
+
+
+def _configs(root: Path, policy: Path, scorer: Path) -> None:
+    model = {"model_name_or_path": str(policy), "quantization": "none", "dtype": "float32", **TINY}
+    configs = {
+        "sft": {**model, "dataset": "data/chats.jsonl", "text_column": "messages", "block_size": 32,
+                "output_dir": "outputs/sft", "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1},
+        "ppo": {**model, "dataset": "data/prompts.jsonl", "text_column": "messages", "max_prompt_tokens": 64,
+                "response_min_tokens": 4, "response_max_tokens": 8, "reward_model": str(scorer),
+                "output_dir": "outputs/ppo", "steps": 2, "batch_size": 8, "mini_batch_size": 4,
+                "forward_batch_size": 8, "ppo_epochs": 1, "report_to": "none"},
+        "grpo": {**model, "dataset": "data/questions.jsonl", "question_column": "q", "answer_column": "a",
+                 "reward_funcs": ["accuracy", "my_rewards:brevity"], "reward_weights": [1.0, 0.5],
+                 "output_dir": "outputs/grpo", "max_steps": 2, "per_device_train_batch_size": 4,
+                 "num_generations": 4, "max_completion_length": 8, "logging_steps": 1, "learning_rate": 1e-3,
+                 "num_samples_to_show": 1},
+    }  # fmt: skip
+    (root / "mine").mkdir()
+    for stage, values in configs.items():
+        (root / "mine" / f"{stage}.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+def _fitrl(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FITRL), *args], cwd=root, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path: Path, demo_root: Path) -> None:
+    policy, scorer = _models(tmp_path, demo_root)
+    _data(tmp_path)
+    _configs(tmp_path, policy, scorer)
+
+    sft = _fitrl(tmp_path, "sft", "--config", "mine/sft.yaml")
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    out = tmp_path / "outputs" / "sft"
+    assert (out / "adapter_model.safetensors").is_file() and (out / "chat_template.jinja").read_text() == CHATML
+    assert len(read_jsonl(out / "metrics.jsonl")) >= 2
+
+    refused = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml", "--reward_kind", "probability")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
+    assert refused.stderr.startswith("error: ") and "a scalar reward model" in refused.stderr
+
+    ppo = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml")
+    assert ppo.returncode == 0, ppo.stderr[-3000:]
+    out = tmp_path / "outputs" / "ppo"
+    assert "32 prompts from 32 chats of data/prompts.jsonl" == load_run_info(out)["prompts"]
+    assert ppo.stderr.count("has no pad token; padding with its EOS token") == 1
+    # the chat in its template, read back (and by the reward model) as text without the special tokens
+    assert "| system Answer kindly. user What is " in (out / "samples.md").read_text()
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert len(rows) == 2 and rows[0]["env/reward_std"] > 0  # the scalar head's scores differ: a signal
+    assert (out / "value_head.safetensors").is_file()
+
+    grpo = _fitrl(tmp_path, "grpo", "--config", "mine/grpo.yaml")
+    assert grpo.returncode == 0, grpo.stderr[-3000:]
+    out = tmp_path / "outputs" / "grpo"
+    info = load_run_info(out)
+    assert info["problems"] == 32 and info["first_prompt_rendered"].endswith("<|im_start|>assistant\n")
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rewards/brevity/mean" in r]
+    assert len(rows) == 2 and all(r["rewards/brevity/mean"] <= 0 for r in rows)
+    assert all("rewards/accuracy_reward/mean" in r for r in rows)
+    assert (out / "adapter_model.safetensors").is_file()
