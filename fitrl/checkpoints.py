@@ -153,6 +153,9 @@ RESUMABLE_CHANGES = {
     "resume_from_checkpoint",
     "verify_frozen_base",
     "demo_cache_dir",
+    "push_to_hub",
+    "hub_model_id",
+    "hub_private",
 }
 
 

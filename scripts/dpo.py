@@ -33,6 +33,7 @@ from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
+from fitrl.hub import push_output
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
 from fitrl.outputs import MetricsLog, staged_output_dir
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
             run.trainer, run.metrics, run.inputs.resume, run.args.output_dir, run.inputs.checkpoints_existed
         )
         finish(run)
+    push_output(run.args, run.args.output_dir, STAGE.name)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.guards import HackingGuard, Health, check_prompts, check_stop_token, repetition
 from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
+from fitrl.hub import push_output
 from fitrl.memory import StepPeak, memory_report, peak_memory_mb
 from fitrl.modeling import (
     GRPO_LORA_TARGETS,
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> None:
         build(run)
         train(run)
         finish(run)
+    push_output(run.args, run.args.output_dir, STAGE.name)
 
 
 if __name__ == "__main__":

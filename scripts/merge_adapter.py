@@ -31,6 +31,7 @@ from fitrl.config import (
     save_run_config,
     save_run_info,
 )
+from fitrl.hub import push_output
 from fitrl.memory import PeakRSS
 from fitrl.merge import (
     DTYPES,
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         f"merged {info['adapted_tensors']} tensors ({args.method}, {args.dtype}) in {info['seconds']:.1f}s, "
         f"peak RSS +{info['peak_rss_increase_mb']:.0f} MB{verified} -> {args.output_dir}"
     )
+    push_output(args, args.output_dir, STAGE.name)
 
 
 def model_card(info: dict[str, Any], adapter_config: dict[str, Any]) -> str:

@@ -60,6 +60,7 @@ from fitrl.guards import (
     check_trainable,
     repetition,
 )
+from fitrl.hub import push_output
 from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
 from fitrl.modeling import (
     LoraArguments,
@@ -643,6 +644,7 @@ def main(argv: list[str] | None = None) -> None:
                     raise terminated(run, stop.signal, step + 1)
         finish(run)
     accelerator.end_training()  # closes trackers, and in accelerate 1.16 the process group: keep it last
+    push_output(args, args.output_dir, STAGE.name)
 
 
 if __name__ == "__main__":

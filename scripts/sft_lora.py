@@ -35,6 +35,7 @@ from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
+from fitrl.hub import push_output
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         build(run)
         train_with_guards(run.trainer, run.metrics, run.resume, run.args.output_dir, run.checkpoints_existed)
         finish(run)
+    push_output(run.args, run.args.output_dir, STAGE.name)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
 from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
+from fitrl.hub import push_output
 from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import (
     SCORE_HEAD,
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             run.trainer, run.metrics, run.inputs.resume, run.args.output_dir, run.inputs.checkpoints_existed
         )
         finish(run)
+    push_output(run.args, run.args.output_dir, STAGE.name)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from fitrl.config import check, check_tracker, help_field, parse_config
+from fitrl.hub import HubSettings
 from fitrl.modeling import DEFAULT_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.outputs import METRICS_NAME, read_jsonl
 from fitrl.workload import Workload
@@ -96,7 +97,7 @@ class Stage:
 
 
 @dataclass
-class TrainerSettings:
+class TrainerSettings(HubSettings):
     """The settings of a stage that trains on transformers' Trainer (trl's SFT, Reward and DPO trainers);
     `fitrl.hf_trainer.trainer_arguments` maps them onto `TrainingArguments`. A stage subclasses it with
     its data settings and its own defaults (a field redeclared keeps its place)."""
@@ -126,6 +127,7 @@ class TrainerSettings:
     strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
 
     def validate(self) -> None:
+        super().validate()
         check_tracker(self.report_to)
         check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")

@@ -14,6 +14,7 @@ from fitrl.config import UsageError, check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.guards import Limit
+from fitrl.hub import HubSettings
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.reward_funcs import DEFAULT_REWARDS
 from fitrl.stages.base import (
@@ -35,7 +36,7 @@ REPETITION_KEY = "completions/repetition"  # logged by the first reward function
 
 
 @dataclass
-class GRPOArguments:
+class GRPOArguments(HubSettings):
     """Training settings of the GRPO stage (defaults: the Llama-1B blog's)."""
 
     output_dir: str = help_field("outputs/grpo", "Where the adapter, config, metrics, curves and samples go.")
@@ -114,6 +115,7 @@ class GRPOArguments:
     )
 
     def validate(self) -> None:
+        super().validate()
         check_tracker(self.report_to)
         check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")

@@ -11,11 +11,12 @@ from typing import Literal
 
 from fitrl.config import check, help_field, load_run_info
 from fitrl.demo import DemoArguments
+from fitrl.hub import HubSettings
 from fitrl.stages.base import Stage
 
 
 @dataclass
-class MergeArguments:
+class MergeArguments(HubSettings):
     """Which adapter to fold into which base, and how."""
 
     adapter_dir: str = help_field("outputs/sft", "The SFT stage's output directory (adapter_config.json inside).")
@@ -33,6 +34,7 @@ class MergeArguments:
     verify_tolerance: float | None = help_field(None, "Largest logit difference --verify accepts (default by dtype).")
 
     def validate(self) -> None:
+        super().validate()
         check(self.verify_tolerance is None or self.verify_tolerance > 0, "verify_tolerance", "empty or > 0")
 
 

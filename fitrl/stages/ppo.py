@@ -13,6 +13,7 @@ from typing import Literal
 from fitrl.config import check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.guards import Limit
+from fitrl.hub import HubSettings
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.rollout import generation_batch
 from fitrl.sentiment import PromptArguments, RewardArguments
@@ -33,7 +34,7 @@ from fitrl.workload import Workload
 
 
 @dataclass
-class PPOArguments:
+class PPOArguments(HubSettings):
     """The PPO algorithm and the run (defaults: TRL 0.x's, which the blog used)."""
 
     output_dir: str = help_field("outputs/ppo", "Where the policy adapter, value head, metrics and plots go.")
@@ -111,6 +112,7 @@ class PPOArguments:
     )
 
     def validate(self) -> None:
+        super().validate()
         check_tracker(self.report_to)
         check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
