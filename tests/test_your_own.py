@@ -2,7 +2,8 @@
 files only (issue: "your own model, data and reward"): a tiny Qwen2-style model with a ChatML chat
 template, SFT on a `messages` file, PPO on chat prompts against a scalar reward model whose tokenizer
 has no pad token, GRPO with a reward function in a file of its own on question/answer data whose
-answers are plain numbers, and a usage error that is one line and exit 2.
+answers are plain numbers, and a usage error that is one line and exit 2. The base is loaded in 4-bit,
+as QLoRA on a 16 GB card would, with biased layers of odd sizes (bitsandbytes' CPU path).
 
 Every model and file is built here, as a user would bring them; nothing comes from the hub or the demo.
 """
@@ -43,7 +44,7 @@ def _models(root: Path, demo_root: Path) -> tuple[Path, Path]:
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=40, intermediate_size=72, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
     )  # fmt: skip
@@ -76,7 +77,8 @@ def _data(root: Path) -> None:
 
 
 def _configs(root: Path, policy: Path, scorer: Path) -> None:
-    model = {"model_name_or_path": str(policy), "quantization": "none", "dtype": "float32", **TINY}
+    # QLoRA, as on a 16 GB card: a 4-bit base with biased projections of sizes no multiple of 64
+    model = {"model_name_or_path": str(policy), "quantization": "4bit", "dtype": "float32", **TINY}
     configs = {
         "sft": {**model, "dataset": "data/chats.jsonl", "text_column": "messages", "block_size": 32,
                 "output_dir": "outputs/sft", "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1},
