@@ -1,6 +1,7 @@
 """A reward model that is an adapter on the policy's own backbone: the rm stage's LoRA and score head,
 loaded as a second adapter beside the policy's, so policy, reference, value and reward share one copy
-of the (8-bit) base.
+of the (8-bit) base. An rm adapter trained on another model (or `reward_adapter_shared: false`) is
+loaded on its own copy of its base instead (`SeparateAdapterReward`); the planner counts that base.
 
 Scoring switches every LoRA layer to the reward adapter for one no-grad pass and back: the policy's
 adapter, its trainable flags and the frozen base are untouched (the tests hold the policy's log-probs
@@ -19,9 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitrl.checkpoints import check_adapter_files, load_safetensors
-from fitrl.config import UsageError
-from fitrl.modeling import SCORE_HEAD
+from fitrl.checkpoints import adapter_bases, check_adapter_base, check_adapter_files, is_model, load_safetensors
+from fitrl.config import UsageError, load_run_info
+from fitrl.modeling import (
+    SCORE_HEAD,
+    ModelArguments,
+    load_causal_lm,
+    load_tokenizer,
+    loading_errors,
+    resolve_model_path,
+)
 
 REWARD_ADAPTER = "reward"  # its name beside the policy's ("default")
 
@@ -123,3 +131,59 @@ def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int)
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     last = (positions * (input_ids != pad_token_id)).argmax(-1)
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), last].to(torch.float32)
+
+
+def separate_base(
+    adapter_dir: str | Path, model_name: str, model_path: str, demo_cache_dir: str, shared: bool = True
+) -> str | None:
+    """Where an rm adapter is scored: None on the policy's backbone (it was trained on `model_name` and
+    `shared`), else the resolved path of the base it was trained on, which it is loaded on by itself.
+    Checks that an rm run made it, before anything loads."""
+    adapter_dir = Path(adapter_dir).expanduser()
+    check_adapter_files(adapter_dir, "rm")
+    recorded, trained_on = adapter_bases(adapter_dir, "rm")
+    if shared and (not recorded or is_model(recorded, model_name, model_path)):
+        check_adapter_base(adapter_dir, model_name, model_path, "ppo", force=False, producer="rm")
+        return None
+    base = load_run_info(adapter_dir).get("resolved_model_path") or trained_on
+    if base is None:
+        raise UsageError(f"reward adapter {adapter_dir} records no base model; give the output_dir of an rm run")
+    path = resolve_model_path(base, demo_cache_dir, what="the reward adapter's base")
+    check_adapter_base(adapter_dir, base, path, "ppo", force=False, producer="rm")
+    return path
+
+
+class SeparateAdapterReward:
+    """An rm stage's adapter and score head on its own copy of the base it was trained on, loaded beside
+    the policy in its `reward_dtype` / `reward_quantization`: a reward model trained on another model than the policy's.
+    A text is scored as `AdapterReward` scores it (EOS appended, the head read at the last token)."""
+
+    def __init__(self, base: str, args: Any, device: torch.device) -> None:
+        """`args`: PPO's `RewardArguments` (reward_adapter, reward_dtype, reward_quantization, reward_batch_size)."""
+        from peft import PeftModel
+
+        adapter_dir, quantization = str(args.reward_adapter), args.reward_quantization
+        self.tokenizer = load_tokenizer(adapter_dir)  # the rm run's own, saved beside its adapter
+        loaded = ModelArguments(base, quantization=quantization, dtype=args.reward_dtype)
+        model = load_causal_lm(
+            loaded, path=base, for_training=False, pad_token_id=self.tokenizer.pad_token_id, score_head=True
+        )
+        if quantization == "none":  # bitsandbytes places a quantized model as it loads it
+            model.to(device)
+        with loading_errors("reward adapter", str(adapter_dir)):
+            self.model = PeftModel.from_pretrained(model, adapter_dir).eval()
+        self.batch_size, self.device = args.reward_batch_size, device
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        return self.classify(texts)[0]
+
+    @torch.no_grad()
+    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive): the reward of each text, and whether it is above 0."""
+        eos, scores = self.tokenizer.eos_token, []
+        for i in range(0, len(texts), self.batch_size):
+            batch = [t if t.endswith(eos) else t + eos for t in texts[i : i + self.batch_size]]
+            enc = self.tokenizer(batch, padding=True, padding_side="right", return_tensors="pt").to(self.device)
+            scores.append(self.model(**enc).logits[:, 0].float().cpu())
+        rewards = torch.cat(scores)
+        return rewards, rewards > 0

@@ -231,6 +231,30 @@ def check_adapter_files(adapter_dir: Path, producer: str) -> None:
         load_state(present[0])
 
 
+def adapter_bases(adapter_dir: Path, stage: str) -> tuple[set[str], str | None]:
+    """What an adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
+    `adapter_config.json`), and the name it was trained on (None: it records none)."""
+    from fitrl.config import load_run_config, load_run_info
+
+    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
+    peft_base = None
+    if (adapter_dir / "adapter_config.json").is_file():
+        peft_base = read_adapter_config(adapter_dir, stage).get("base_model_name_or_path")
+    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
+    trained_on = config.get("model_name_or_path") or peft_base or (sorted(recorded)[0] if recorded else None)
+    return recorded, trained_on
+
+
+def is_model(recorded: set[str], model_name: str, model_path: str) -> bool:
+    """Whether names an adapter recorded of its base are the model named `model_name` (resolved: `model_path`),
+    as strings or as resolved paths."""
+    if {model_name, model_path} & recorded:
+        return True
+    here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}
+    there = {Path(p).expanduser().resolve() for p in recorded if Path(p).expanduser().exists()}
+    return bool(here & there)
+
+
 def check_adapter_base(
     adapter_dir: Path,
     model_name: str,
@@ -243,38 +267,29 @@ def check_adapter_base(
     """Refuse an adapter that was not trained on this model, or not by the stage that should have made it
     (or whose `adapter_config.json` is damaged).
 
-    What the adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
-    `adapter_config.json`) is compared with the model named (`model_name`) and its resolved path or hub
-    id (`model_path`), as strings and as resolved paths. `producer` is the stage whose output this
-    stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check; without
-    `require_record`, an adapter that records no base at all passes (the merge checks shapes itself).
+    What the adapter records of its base (`adapter_bases`) is compared with the model named
+    (`model_name`) and its resolved path or hub id (`model_path`). `producer` is the stage whose output
+    this stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check;
+    without `require_record`, an adapter that records no base at all passes (the merge checks shapes
+    itself).
     """
-    from fitrl.config import load_run_config, load_run_info
+    from fitrl.config import load_run_info
 
     if force:
         return
-    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
-    made_by = info.get("stage")
+    made_by = load_run_info(adapter_dir).get("stage")
     if producer is not None and made_by is not None and made_by != producer:
         raise UsageError(
             f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
             "(or pass --force true)"
         )
-    peft_base = None
-    if (adapter_dir / "adapter_config.json").is_file():
-        peft_base = read_adapter_config(adapter_dir, producer or stage).get("base_model_name_or_path")
-    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
+    recorded, trained_on = adapter_bases(adapter_dir, producer or stage)
     if not recorded and not require_record:
         return
     if not recorded:
         raise UsageError(f"adapter {adapter_dir} records no base model; pass --force true if it fits {model_name}")
-    if {model_name, model_path} & recorded:
+    if is_model(recorded, model_name, model_path):
         return
-    here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}
-    there = {Path(p).expanduser().resolve() for p in recorded if Path(p).expanduser().exists()}
-    if here & there:
-        return
-    trained_on = config.get("model_name_or_path") or peft_base or sorted(recorded)[0]
     raise UsageError(
         f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
         "set model_name_or_path to its base (or pass --force true)"

@@ -96,8 +96,14 @@ class RewardArguments:
     )
     reward_adapter: str | None = help_field(
         None,
-        "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model, on the "
-        "policy's own backbone: no second model is loaded. It must have been trained on model_name_or_path.",
+        "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model. Trained "
+        "on model_name_or_path, it runs on the policy's own backbone (no second model); trained on another "
+        "model, it is loaded on its own copy of that model (the planner counts it).",
+    )
+    reward_adapter_shared: bool = help_field(
+        True,
+        "false: load reward_adapter on its own copy of its base even when that is the policy's (costs that base's "
+        "memory again: for comparison).",
     )
     reward_function: str | None = help_field(
         None,
@@ -139,30 +145,22 @@ def check_reward_label(reward_path: str, positive_label: str, reward_kind: str =
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
 
 
-def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_cache_dir: str) -> None:
+def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_cache_dir: str) -> str | None:
     """The reward, checked before any model loads: a trained classifier with the positive label, an rm
-    stage's adapter trained on the model the policy starts from (it is read on that model's backbone),
-    or a function that imports."""
+    stage's adapter whose base can be loaded (the policy's own, or another), or a function that imports.
+    Returns the base an rm adapter is loaded on by itself (`separate_base`), else None."""
     if args.reward_function:
         FunctionReward(args)
-        return
+        return None
     if not args.reward_adapter:
         reward_path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
         check_reward_label(reward_path, args.positive_label, args.reward_kind)
-        return
-    from fitrl.checkpoints import check_adapter_base, check_adapter_files
+        return None
+    from fitrl.adapter_reward import separate_base
 
-    adapter = Path(args.reward_adapter).expanduser()
-    if not adapter.is_dir():
-        raise UsageError(f"reward_adapter {adapter} does not exist; give the output_dir of an rm run")
-    check_adapter_files(adapter, "rm")
-    try:
-        check_adapter_base(adapter, model_name, model_path, "ppo", force=False, producer="rm")
-    except UsageError as e:
-        raise UsageError(
-            f"reward_adapter: {str(e).split('; ')[0]}; a reward adapter shares the policy's backbone, so train "
-            f"the reward model on {model_name} (or score with a classifier: reward_model, no reward_adapter)"
-        ) from None
+    if not Path(args.reward_adapter).expanduser().is_dir():
+        raise UsageError(f"reward_adapter {args.reward_adapter} does not exist; give the output_dir of an rm run")
+    return separate_base(args.reward_adapter, model_name, model_path, demo_cache_dir, args.reward_adapter_shared)
 
 
 class SentimentReward:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from fitrl.adapter_reward import AdapterReward
+from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import entrypoint, load_run_info, save_run_config
 from fitrl.data import load_texts
@@ -57,7 +57,7 @@ def summary(scores: torch.Tensor) -> dict[str, float]:
 @entrypoint
 def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
-    adapter_dir, model_path = preflight(model_args, prompt_args, reward_args, args, demo_args)
+    adapter_dir, model_path, reward_base = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed).ids[: args.n_prompts]
 
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     if model_args.quantization == "none":
         model.to(device)
     policy = PeftModel.from_pretrained(model, adapter_dir).eval()
-    if reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
+    if reward_base is not None:  # an rm adapter of another base, on its own copy of that base
+        reward = SeparateAdapterReward(reward_base, reward_args, device)
+    elif reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
         reward = AdapterReward(policy, reward_args.reward_adapter, tokenizer, reward_args.reward_batch_size)
     else:
         reward = load_reward(reward_args, demo_args.demo_cache_dir, device)
@@ -94,8 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
 
 
-def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Path, str]:
-    """Every input checked before a weight loads: the output dir, the adapter, its base, the reward label."""
+def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Path, str, str | None]:
+    """Every input checked before a weight loads: the output dir, the adapter, its base, the reward label.
+    Returns the adapter, the resolved model, and the base a reward adapter is loaded on by itself."""
     reward = reward_args.reward_adapter or reward_args.reward_model
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward, prompt_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
@@ -105,10 +108,10 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
     producer = made_by if made_by in POLICY_STAGES else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
-    check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_cache_dir)
+    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_cache_dir)
     if args.judge_model:
         check_judge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir)
-    return adapter_dir, model_path
+    return adapter_dir, model_path, reward_base
 
 
 def answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device) -> list[dict]:

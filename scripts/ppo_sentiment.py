@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fitrl import checkpoints, ppo, signals
-from fitrl.adapter_reward import AdapterReward
+from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import (
     STATE_FILE,
     checkpoint_root,
@@ -61,7 +61,7 @@ from fitrl.guards import (
     repetition,
 )
 from fitrl.hub import push_output
-from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors
+from fitrl.memory import StepPeak, gpu_peak_mb, memory_report, optimizer_state_tensors, tensor_bytes
 from fitrl.modeling import (
     LoraArguments,
     ModelArguments,
@@ -109,11 +109,12 @@ class Run:
     queries: list[list[int]]
     resume: Path | None
     prompts: str = ""  # what became of the prompt rows (`Queries.summary`)
+    reward_base: str | None = None  # the base a reward adapter is loaded on by itself (None: the policy's)
     out: Path | None = None
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
     unwrapped: Any = None  # PolicyAndValue itself
     optimizer: Any = None
-    reward: SentimentReward | AdapterReward | FunctionReward | None = None
+    reward: SentimentReward | AdapterReward | SeparateAdapterReward | FunctionReward | None = None
     kl_ctl: Any = None
     score_stats: ppo.RunningMoments | None = None
     metrics: MetricsLog | None = None
@@ -138,6 +139,13 @@ class Run:
     @property
     def configs(self) -> tuple[Any, ...]:
         return (self.model_args, self.lora_args, self.prompt_args, self.reward_args, self.args, self.demo_args)
+
+
+def reward_tensors(reward: Any) -> list[torch.Tensor]:
+    """The scorer's own tensors, beside the policy's: a reward model's, or a reward adapter's head."""
+    module = getattr(reward, "model", None)
+    module = getattr(reward, "head", None) if module is None else module
+    return [] if module is None else [*module.parameters(), *module.buffers()]
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -189,7 +197,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
             "single_gpu.yaml, ddp_2gpu.yaml)"
         )
     model_path = resolve_model_path(model_args.model_name_or_path, cache)
-    check_reward(reward_args, model_args.model_name_or_path, model_path, cache)
+    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, cache)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     queries = build_queries(tokenizer, prompt_args, cache, args.seed)
     if len(queries) < args.batch_size:
@@ -209,6 +217,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         project_config=logs,
     )
     run = Run(*configs, accelerator, model_path, tokenizer, queries.ids, resume)
+    run.reward_base = reward_base
     run.prompts = queries.summary(prompt_args)
     if accelerator.is_main_process:
         print(f"PPO: {run.prompts}")
@@ -225,9 +234,14 @@ def preflight(configs: tuple[Any, ...]) -> Run:
 def build(run: Run) -> None:
     """The reward (first: a bad one should not cost a backbone load), the backbone, a fresh LoRA policy
     and value head, the optimizer and KL controller."""
-    args = run.args
-    if not run.reward_args.reward_adapter:
-        run.reward = load_reward(run.reward_args, run.demo_args.demo_cache_dir, run.device)
+    args, reward_args = run.args, run.reward_args
+    if run.reward_base is not None:
+        run.reward = SeparateAdapterReward(run.reward_base, reward_args, run.device)
+        if run.accelerator.is_main_process:
+            print(f"PPO: reward adapter {reward_args.reward_adapter} loaded on its own copy of {run.reward_base}, "
+                  f"{tensor_bytes(reward_tensors(run.reward)) / 2**20:.1f} MiB beside the policy")  # fmt: skip
+    elif not reward_args.reward_adapter:
+        run.reward = load_reward(reward_args, run.demo_args.demo_cache_dir, run.device)
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,
@@ -237,7 +251,7 @@ def build(run: Run) -> None:
     torch.manual_seed(args.seed)  # the same fresh adapter and value head on every rank
     model = PolicyAndValue(add_lora(backbone, run.lora_args), backbone.config.hidden_size)
     model.value_head.to(run.device)  # the backbone is already placed (device_map) or moved by prepare()
-    if run.reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
+    if reward_args.reward_adapter and run.reward_base is None:  # a second adapter and a head on this backbone
         run.reward = AdapterReward(
             model.policy, run.reward_args.reward_adapter, run.tokenizer, run.reward_args.reward_batch_size
         )
@@ -529,6 +543,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     torch.manual_seed(step_seed(run.args.seed, step, run.accelerator.process_index))
     if step == run.start_step + 1:  # the second step of this process: the optimizer states exist by then
         held = [*run.unwrapped.parameters(), *run.unwrapped.buffers(), *optimizer_state_tensors(run.optimizer)]
+        held += reward_tensors(run.reward)  # a model scoring beside the policy: the plan counts it too
         run.step_peak.start(held)
     timings, t0 = {}, time.perf_counter()
     rollouts = rollout(run, step)

@@ -1,6 +1,7 @@
 """PPO against a trained reward model on its own backbone: the rm stage's adapter and score head loaded
 beside the policy's adapter score exactly as the reward model does alone, leave the policy bit for bit
-as it was, and run in PPO and its evaluation; a reward model of another base is refused."""
+as it was, and run in PPO and its evaluation; a reward model of another base is loaded on its own copy
+of that base and scores the same."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitrl.adapter_reward import AdapterReward
+from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.config import load_run_info
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer
+from fitrl.outputs import read_jsonl
+from fitrl.sentiment import RewardArguments
 
-from conftest import CONFIGS, run_main, run_script
+from conftest import CONFIGS, run_script
 
 TEXTS = [
     "The Silent Harbor is a drama. The acting was wonderful.",
@@ -77,6 +80,10 @@ def test_scoring_on_the_shared_backbone_equals_the_reward_model_and_leaves_the_p
         expected = alone(**batch).logits[:, 0]
     assert torch.allclose(shared, expected, atol=1e-4), (shared, expected)
     assert shared.std() > 0  # the texts differ, so do their rewards
+    # loaded on its own copy of its base, as a reward model of another base than the policy's is
+    rm = RewardArguments(reward_adapter=str(reward_model), reward_quantization="8bit", reward_batch_size=2)
+    separate, _ = SeparateAdapterReward(str(demo_root / "lm"), rm, torch.device("cpu")).classify(TEXTS)
+    assert torch.allclose(separate, expected, atol=1e-4), (separate, expected)
 
 
 @pytest.mark.slow
@@ -107,15 +114,43 @@ def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
 
 
 @pytest.mark.slow
-def test_a_reward_model_of_another_base_is_refused_in_one_line(
-    reward_model: Path, tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+def test_a_reward_model_of_another_base_is_loaded_beside_the_policy_and_planned(
+    reward_model: Path, tmp_path: Path, demo_cache: Path
 ) -> None:
-    code = run_main(
+    """The rm adapter was trained on the demo LM; PPO's policy here is the demo reasoner."""
+    out = tmp_path / "ppo"
+    result = run_script(
         "ppo_sentiment.py",
         *("--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://reasoner"),
-        *("--output_dir", tmp_path / "out", "--demo_cache_dir", demo_cache, "--reward_adapter", reward_model),
+        *("--output_dir", out, "--demo_cache_dir", demo_cache, "--reward_adapter", reward_model),
+        *("--steps", "2", "--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8"),
+        *("--guard_judge_model", ""),
     )
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert code == 2 and len(errors) == 1, errors
-    assert "reward_adapter:" in errors[0] and "train the reward model on demo://reasoner" in errors[0]
-    assert not (tmp_path / "out").exists()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"PPO: reward adapter {reward_model} loaded on its own copy of " in result.stdout
+    info = load_run_info(out)
+    # the plan counts that copy, and the measured step holds it: within the planner's 10%
+    memory = info["memory"]
+    assert abs(memory["measured_peak_mb"] - memory["planned_peak_mb"]) <= 0.1 * memory["planned_peak_mb"], memory
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[0]["env/reward_std"] > 0
+
+
+@pytest.mark.slow
+def test_the_planner_counts_a_reward_adapter_only_when_it_has_a_base_of_its_own(
+    reward_model: Path, demo_cache: Path
+) -> None:
+    from fitrl import planner
+    from fitrl.stages import get
+    from fitrl.stages.ppo import reward_model as reward_spec
+
+    def spec(model: str, *extra: str):
+        return reward_spec(get("ppo").parse(["--config", str(CONFIGS / "demo" / "ppo.yaml"), "--model_name_or_path",
+                                             model, "--reward_adapter", str(reward_model),
+                                             "--demo_cache_dir", str(demo_cache), *extra]))  # fmt: skip
+
+    assert spec("demo://lm") is None  # its LoRA rides on the policy's backbone: nothing more to plan
+    separate = spec("demo://reasoner")
+    assert separate is not None and Path(separate.name).name == "lm"
+    assert planner.reward_model_bytes(separate) > 0
+    assert spec("demo://lm", "--reward_adapter_shared", "false") == separate

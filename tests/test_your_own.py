@@ -90,7 +90,7 @@ def _configs(root: Path, policy: Path, scorer: Path) -> None:
                  "reward_funcs": ["accuracy", "my_rewards:brevity"], "reward_weights": [1.0, 0.5],
                  "output_dir": "outputs/grpo", "max_steps": 2, "per_device_train_batch_size": 4,
                  "num_generations": 4, "max_completion_length": 8, "logging_steps": 1, "learning_rate": 1e-3,
-                 "num_samples_to_show": 1},
+                 "num_samples_to_show": 1, "report_to": "tensorboard"},
     }  # fmt: skip
     (root / "mine").mkdir()
     for stage, values in configs.items():
@@ -137,3 +137,4 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     assert len(rows) == 2 and all(r["rewards/brevity/mean"] <= 0 for r in rows)
     assert all("rewards/accuracy_reward/mean" in r for r in rows)
     assert (out / "adapter_model.safetensors").is_file()
+    assert list((out / "runs").rglob("events.out.tfevents.*"))  # the tracker's logs, in the output

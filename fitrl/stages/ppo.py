@@ -198,12 +198,29 @@ def monitors(args: PPOArguments) -> list[Limit]:
     ]  # fmt: skip
 
 
-def reward_model(args: RewardArguments) -> RewardModel | None:
-    """The model loaded beside the policy to score, as loaded: none when the reward is an adapter on its
-    backbone, or a function."""
-    if args.reward_adapter or args.reward_function:
+def reward_model(configs: Configs) -> RewardModel | None:
+    """The model loaded beside the policy to score, as loaded: none when the reward is an adapter on the
+    policy's backbone, or a function; the base of an rm adapter of another model (or not shared)."""
+    args = config_of(configs, RewardArguments)
+    if args.reward_function:
         return None
-    return RewardModel(args.reward_model, args.reward_dtype, args.reward_quantization)
+    if not args.reward_adapter:
+        return RewardModel(args.reward_model, args.reward_dtype, args.reward_quantization)
+    from fitrl.adapter_reward import separate_base
+    from fitrl.config import UsageError
+    from fitrl.modeling import resolve_model_path
+
+    model, cache = (
+        config_of(configs, ModelArguments).model_name_or_path,
+        config_of(configs, DemoArguments).demo_cache_dir,
+    )
+    try:  # before the stages that write them, the policy's model or the adapter may not exist yet
+        base = separate_base(
+            args.reward_adapter, model, resolve_model_path(model, cache), cache, args.reward_adapter_shared
+        )
+    except UsageError:
+        return None
+    return None if base is None else RewardModel(base, args.reward_dtype, args.reward_quantization)
 
 
 def batch_moves(configs: Configs) -> Moves:
@@ -243,7 +260,7 @@ STAGE = Stage(
         optimizer_key="optimizer",
         eight_bit_optimizer="adamw_8bit",
         batch_moves=batch_moves,
-        reward_model=lambda configs: reward_model(config_of(configs, RewardArguments)),
+        reward_model=reward_model,
     ),
     plot="ppo_curves.png",
     samples="samples.md",
