@@ -5,6 +5,7 @@ Shared by `scripts/ppo_sentiment.py` (training) and `scripts/evaluate_sentiment.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 import sys
@@ -271,6 +272,13 @@ class SentimentJudge:
 
             return torch.tensor([opinion_polarity(t) for t in texts]).sign().float()
         return self.classifier.classify(texts)[1].float() * 2 - 1
+
+
+def prompt_texts(args: PromptArguments, split: str, demo_cache_dir: str) -> list[str]:
+    """The text of every prompt row of `split`: a chat's messages joined, blank rows left out."""
+    values, chat = read_prompts(dataclasses.replace(args, dataset_split=split), demo_cache_dir)
+    texts = ["\n".join(m["content"] for m in v) if chat else v for v in values if v]
+    return [t for t in texts if isinstance(t, str) and t.strip()]
 
 
 def corpus_vocabulary(texts: list[str]) -> set[str]:

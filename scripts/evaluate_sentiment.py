@@ -25,7 +25,6 @@ import torch
 from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import entrypoint, load_run_info, save_run_config
-from fitrl.data import load_texts
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
 from fitrl.rollout import decode, response_logprobs, sample_responses
@@ -37,6 +36,7 @@ from fitrl.sentiment import (
     corpus_vocabulary,
     corpus_word_share,
     load_reward,
+    prompt_texts,
 )
 from fitrl.stages.eval_sentiment import POLICY_STAGES, STAGE
 
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     judge = None
     if args.judge_model:
         judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)
-    corpus = load_texts(prompt_args.dataset, "train", prompt_args.text_column, demo_args.demo_cache_dir)
-    vocabulary = corpus_vocabulary(corpus)
+    vocabulary = corpus_vocabulary(prompt_texts(prompt_args, "train", demo_args.demo_cache_dir))
 
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
         rows = answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device)

@@ -1,7 +1,7 @@
 """A new user's journey, with their own model, data and reward, through the `fitrl` command and config
 files only (issue: "your own model, data and reward"): a tiny Qwen2-style model with a ChatML chat
 template, SFT on a `messages` file, PPO on chat prompts against a scalar reward model whose tokenizer
-has no pad token, GRPO with a reward function in a file of its own on question/answer data whose
+has no pad token and its evaluation, GRPO with a reward function in a file of its own on question/answer data whose
 answers are plain numbers, and a usage error that is one line and exit 2. The base is loaded in 4-bit,
 as QLoRA on a 16 GB card would, with biased layers of odd sizes (bitsandbytes' CPU path).
 
@@ -127,6 +127,13 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     rows = read_jsonl(out / "metrics.jsonl")
     assert len(rows) == 2 and rows[0]["env/reward_std"] > 0  # the scalar head's scores differ: a signal
     assert (out / "value_head.safetensors").is_file()
+    evaluated = _fitrl(tmp_path, "eval", "--adapter_dir", "outputs/ppo", "--output_dir", "outputs/eval",
+                       "--n_prompts", "8", "--batch_size", "8")  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = json.loads((tmp_path / "outputs" / "eval" / "eval.json").read_text())
+    assert report["n_prompts"] == 8 and all(
+        s["query"].startswith("system\nAnswer kindly.\nuser\n") for s in report["samples"]
+    )
 
     grpo = _fitrl(tmp_path, "grpo", "--config", "mine/grpo.yaml")
     assert grpo.returncode == 0, grpo.stderr[-3000:]
