@@ -35,7 +35,7 @@ from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
 from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
-from fitrl.stages import NAMES, STAGES, Stage, get, stage_args
+from fitrl.stages import NAMES, STAGES, Stage, get, inputs, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
 NOT_RESULTS = {
@@ -271,11 +271,11 @@ def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float])
         return
     configs = stage.parse(cmd[cmd.index(f"scripts/{stage.script}") + 1 :])
     settings = config_dict(*configs)
-    upstream = stage.reads[1] if stage.reads else None
+    upstream = [producer for _, producer in inputs(stage, Path("configs") / req.profile) if producer in req.ran]
     if req.force:
         reason = "forced"
-    elif upstream in req.ran:
-        reason = f"its input, {upstream}, re-ran"
+    elif upstream:
+        reason = f"its input, {upstream[0]}, re-ran"
     else:
         reason = completed(out, settings)
     if reason is None:

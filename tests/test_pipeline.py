@@ -296,3 +296,18 @@ def test_a_run_directory_with_a_tilde_is_under_home(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert f"--output_dir {tmp_path}/runs/t/sft" in result.stdout.splitlines()[0]
     assert not (ROOT / "~").exists()
+
+
+def test_ppo_takes_the_rm_output_only_where_its_config_names_a_reward_adapter(tmp_path: Path) -> None:
+    from fitrl.stages import get, stage_args
+
+    for name in ["merge", "rm"]:
+        (tmp_path / f"{name}.yaml").write_text("seed: 1\n")
+    run = Path("/runs/mine")
+    (tmp_path / "ppo.yaml").write_text("reward_adapter: outputs/mine/rm\n")
+    assert stage_args(get("ppo"), tmp_path, run)[-4:] == [
+        *("--model_name_or_path", str(run / get("merge").output_dir)),
+        *("--reward_adapter", str(run / get("rm").output_dir)),
+    ]
+    (tmp_path / "ppo.yaml").write_text("reward_model: my-classifier\n")  # a classifier: no rm input
+    assert "--reward_adapter" not in stage_args(get("ppo"), tmp_path, run)

@@ -36,15 +36,26 @@ def get(name: str) -> Stage:
     raise UsageError(f"unknown stage '{name}'; known: {' '.join(NAMES)}")
 
 
+def inputs(stage: Stage, profile: Path) -> list[tuple[str, str]]:
+    """(setting, stage) for each input `stage` takes from another stage's output in a run of `profile` (a
+    folder of `<stage>.yaml`): where the profile has that stage (else the config names its own input),
+    and for `reads_if_set`, where the stage's config sets the setting."""
+    import yaml
+
+    found = [stage.reads] if stage.reads is not None else []
+    if stage.reads_if_set and (profile / f"{stage.name}.yaml").is_file():
+        config = yaml.safe_load((profile / f"{stage.name}.yaml").read_text()) or {}
+        found += [(key, producer) for key, producer in stage.reads_if_set if config.get(key)]
+    return [(key, producer) for key, producer in found if (profile / f"{producer}.yaml").is_file()]
+
+
 def stage_args(stage: Stage, profile: Path, run_dir: Path) -> list[str]:
-    """A stage's arguments in a run of `profile` (a folder of `<stage>.yaml`): its config, its output
-    in `run_dir`, and its input from the stage before it there when the profile has that stage."""
+    """A stage's arguments in a run of `profile`: its config, its output in `run_dir`, and its inputs
+    from the stages before it there (`inputs`)."""
     args = ["--config", str(profile / f"{stage.name}.yaml"), "--output_dir", str(run_dir / stage.output_dir)]
-    if stage.reads is not None:
-        key, producer = stage.reads
-        if (profile / f"{producer}.yaml").is_file():  # else the config names its own input
-            args += [f"--{key}", str(run_dir / get(producer).output_dir)]
+    for key, producer in inputs(stage, profile):
+        args += [f"--{key}", str(run_dir / get(producer).output_dir)]
     return args
 
 
-__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get", "stage_args"]
+__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get", "inputs", "stage_args"]

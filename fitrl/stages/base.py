@@ -75,6 +75,9 @@ class Stage:
     output_dir: str  # its directory inside a run directory
     figures: Callable[[Path], list[str]]  # its key results, read back from its output directory
     reads: tuple[str, str] | None = None  # (the setting naming its input, the stage whose output that is)
+    # Inputs taken from another stage's output only where the stage's config sets the setting (PPO's
+    # reward_adapter from rm): (setting, stage) pairs.
+    reads_if_set: tuple[tuple[str, str], ...] = ()
     training: bool = False  # launched through accelerate; else one process of file work
     checkpoint_prefix: str | None = None  # resumable: `<output_dir>.checkpoints/<prefix>-N`
     memory: StageMemory | None = None  # plannable

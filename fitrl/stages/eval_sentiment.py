@@ -111,6 +111,7 @@ STAGE = Stage(
     output_dir="eval",
     figures=figures,
     reads=("adapter_dir", "ppo"),
+    reads_if_set=(("reward_adapter", "rm"),),  # eval_dpo's config names the rm run's reward model
     plot="reward_hist.png",
     samples="eval.md",
     inherited=ppo_settings,

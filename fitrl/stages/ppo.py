@@ -253,6 +253,7 @@ STAGE = Stage(
     output_dir="ppo",
     figures=figures,
     reads=("model_name_or_path", "merge"),
+    reads_if_set=(("reward_adapter", "rm"),),
     training=True,
     checkpoint_prefix="step",
     memory=StageMemory(
