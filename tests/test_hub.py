@@ -145,3 +145,11 @@ def test_a_push_that_cannot_work_is_refused_before_anything_loads(
     with pytest.raises(UsageError, match="^") as refused:
         HubSettings(**{"push_to_hub": True, "hub_model_id": "me/model", **settings}).validate()
     assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize("stage", ["sft", "merge", "rm", "ppo", "dpo", "grpo"])
+def test_every_stage_that_writes_a_model_takes_the_hub_settings(stage: str) -> None:
+    from fitrl.stages import get
+
+    with pytest.raises(UsageError, match="push_to_hub needs hub_model_id as owner/name"):
+        get(stage).parse(["--config", str(CONFIGS / "demo" / f"{stage}.yaml"), "--push_to_hub", "true"])
