@@ -155,8 +155,9 @@ def separate_base(
 
 class SeparateAdapterReward:
     """An rm stage's adapter and score head on its own copy of the base it was trained on, loaded beside
-    the policy in its `reward_dtype` / `reward_quantization`: a reward model trained on another model than the policy's.
-    A text is scored as `AdapterReward` scores it (EOS appended, the head read at the last token)."""
+    the policy in `reward_dtype` / `reward_quantization`: a reward model trained on another model than
+    the policy's. A text is scored as `AdapterReward` scores it (EOS appended, the head read at the last
+    token)."""
 
     def __init__(self, base: str, args: Any, device: torch.device) -> None:
         """`args`: PPO's `RewardArguments` (reward_adapter, reward_dtype, reward_quantization, reward_batch_size)."""

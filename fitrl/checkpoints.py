@@ -246,8 +246,8 @@ def adapter_bases(adapter_dir: Path, stage: str) -> tuple[set[str], str | None]:
 
 
 def is_model(recorded: set[str], model_name: str, model_path: str) -> bool:
-    """Whether names an adapter recorded of its base are the model named `model_name` (resolved: `model_path`),
-    as strings or as resolved paths."""
+    """Whether the names an adapter recorded of its base (`adapter_bases`) are the model `model_name`
+    (resolved: `model_path`), as strings or as resolved paths."""
     if {model_name, model_path} & recorded:
         return True
     here = {Path(p).expanduser().resolve() for p in (model_name, model_path) if Path(p).expanduser().exists()}

@@ -328,7 +328,8 @@ class Queries:
         kind = "chats" if self.chat else "texts"
         parts = [f"{len(self.ids)} prompts from {self.rows} {kind} of {args.dataset}"]
         if self.short:
-            parts.append(f"{self.short} dropped: {args.min_prompt_chars} characters or fewer")
+            size = "empty" if args.min_prompt_chars == 0 else f"{args.min_prompt_chars} characters or fewer"
+            parts.append(f"{self.short} dropped: {size}")
         if self.long:
             parts.append(f"{self.long} dropped: over {args.max_prompt_tokens} tokens")
         if self.cut:

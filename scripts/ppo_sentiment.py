@@ -225,7 +225,8 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         check_prompt_length(queries.long, queries.rows - queries.short, prompt_args.max_prompt_tokens, run.health,
                             queries.cut)  # fmt: skip
     else:
-        run.health.passed("prompt_length", f"prompt_shaping prefix: queries of at most {prompt_args.longest_query}")
+        longest = prompt_args.longest_query
+        run.health.passed("prompt_length", f"prompt_shaping prefix: queries of at most {longest} tokens")
     run.judge_queries = judge_queries(run)
     run.planned_peak_mb = planned_peak_mb(STAGE, configs, model_path, accelerator.num_processes)
     return run
