@@ -350,9 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", default="demo", help="configs/<profile>, or a folder of stage configs.")
     parser.add_argument("--run_dir", help="Where the run writes (default: outputs/<profile>).")
     parser.add_argument("--gpu", help="Plan for this card (e.g. 'RTX 4090') instead of the one detected.")
-    args = parser.parse_args(argv)
-    profile = Path(args.profile) if Path(args.profile).is_dir() else ROOT / "configs" / args.profile
     try:
+        args = parser.parse_args(argv)
+        profile = Path(args.profile) if Path(args.profile).is_dir() else ROOT / "configs" / args.profile
         if not profile.is_dir():
             raise UsageError(f"no profile {args.profile}: give a configs/ name or a folder of <stage>.yaml files")
         code = run(profile, Path(args.run_dir or f"outputs/{profile.name}"), args.gpu)

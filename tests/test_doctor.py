@@ -47,6 +47,22 @@ def test_the_demo_profile_is_ready(tmp_path: Path, demo_cache: Path, capsys: pyt
     assert not any(str(tmp_path / "run") in line for line in lines[:-1] if "free at" not in line)
 
 
+def test_ppo_on_the_runs_own_reward_model_is_ready_before_the_rm_stage_has_run(
+    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+) -> None:
+    import yaml
+
+    project = demo_project(tmp_path, demo_cache, "mine")
+    ppo = project / "configs" / "mine" / "ppo.yaml"
+    ppo.write_text(yaml.safe_dump({**yaml.safe_load(ppo.read_text()), "reward_adapter": "outputs/mine/rm"}))
+    assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 0
+    assert _lines(capsys)[-1] == "ready"
+    assert _doctor("--profile", "demo", "--demo_cache_dir", demo_cache) == 2  # not a doctor option: one line
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unrecognized arguments: --demo_cache_dir " + str(demo_cache)
+    ]
+
+
 def test_what_would_stop_a_run_is_one_error_line_each(
     tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
