@@ -52,10 +52,11 @@ class PromptArguments:
     query_max_tokens: int = help_field(8, "prompt_shaping prefix: the upper end of n.")
     response_min_tokens: int = help_field(4, "Each response gets a length drawn from [min, max] new tokens.")
     response_max_tokens: int = help_field(16, "Upper end of the response length range.")
-    stop_at_eos: bool = help_field(
-        False,
-        "Let a response end at EOS. Off (the blog's setting): EOS is suppressed until the drawn length, so no "
-        "response ends on a token the reward model never sees.",
+    stop_at_eos: bool | None = help_field(
+        None,
+        "Let a response end at EOS. Empty: for chats, whose turn ends there, yes; for texts, no (the blog's "
+        "setting): EOS is suppressed until the drawn length, so no response ends on a token the reward model "
+        "never sees.",
     )
 
     def validate(self) -> None:
@@ -68,6 +69,10 @@ class PromptArguments:
         check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", "empty or >= 1")
         check(self.max_prompt_tokens >= 1, "max_prompt_tokens", ">= 1")
         check(self.min_prompt_chars >= 0, "min_prompt_chars", ">= 0")
+
+    def stops_at_eos(self, chat: bool) -> bool:
+        """Whether a response ends at EOS, for prompts that are chats (`chat`) or texts."""
+        return chat if self.stop_at_eos is None else self.stop_at_eos
 
     @property
     def longest_query(self) -> int:

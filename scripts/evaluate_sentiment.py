@@ -17,6 +17,7 @@ side-by-side samples) and `reward_hist.png`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -59,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
     adapter_dir, model_path, reward_base = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    queries = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed).ids[: args.n_prompts]
+    built = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)
+    queries = built.ids[: args.n_prompts]
+    prompt_args = dataclasses.replace(prompt_args, stop_at_eos=prompt_args.stops_at_eos(built.chat))  # as PPO's
 
     from peft import PeftModel
 

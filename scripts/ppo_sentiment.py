@@ -109,6 +109,7 @@ class Run:
     queries: list[list[int]]
     resume: Path | None
     prompts: str = ""  # what became of the prompt rows (`Queries.summary`)
+    stop_at_eos: bool = False  # a response ends at EOS (`PromptArguments.stops_at_eos`)
     reward_base: str | None = None  # the base a reward adapter is loaded on by itself (None: the policy's)
     out: Path | None = None
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
@@ -219,6 +220,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     run = Run(*configs, accelerator, model_path, tokenizer, queries.ids, resume)
     run.reward_base = reward_base
     run.prompts = queries.summary(prompt_args)
+    run.stop_at_eos = prompt_args.stops_at_eos(queries.chat)
     if accelerator.is_main_process:
         print(f"PPO: {run.prompts}")
     if prompt_args.prompt_shaping == "whole":
@@ -384,7 +386,7 @@ def judge_reading(run: Run, step: int) -> float:
             run.tokenizer,
             run.judge_queries[c : c + size],
             lengths[c : c + size],
-            run.prompt_args.stop_at_eos,
+            run.stop_at_eos,
             run.device,
         )
         texts += [q + r for qs, rs in [decode(run.tokenizer, part)] for q, r in zip(qs, rs)]
@@ -415,7 +417,7 @@ def rollout(run: Run, step: int) -> list[Rollout]:
             run.tokenizer,
             [run.queries[i] for i in idx[c]],
             lengths[c],
-            run.prompt_args.stop_at_eos,
+            run.stop_at_eos,
             run.device,
             keep_policy=keep_policy,
         )
@@ -625,6 +627,7 @@ def finish(run: Run) -> None:
         details={
             "n_prompts": len(run.queries),
             "prompts": run.prompts,
+            "stop_at_eos": run.stop_at_eos,
             "rank_first_prompts": rank_prompts,
             "frozen_base_digest": run.frozen_digest,
             "frozen_base_verified": run.frozen_digest is not None,

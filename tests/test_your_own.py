@@ -120,7 +120,9 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     ppo = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml")
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     out = tmp_path / "outputs" / "ppo"
-    assert "32 prompts from 32 chats of data/prompts.jsonl" == load_run_info(out)["prompts"]
+    info = load_run_info(out)
+    assert info["prompts"] == "32 prompts from 32 chats of data/prompts.jsonl"
+    assert info["stop_at_eos"] is True  # a chat's turn ends at EOS (texts keep the blog's drawn lengths)
     assert ppo.stderr.count("has no pad token; padding with its EOS token") == 1
     # the chat in its template, read back (and by the reward model) as text without the special tokens
     assert "| system Answer kindly. user What is " in (out / "samples.md").read_text()
