@@ -117,6 +117,7 @@ def test_a_failed_push_keeps_the_output_and_says_how_to_push_again(
         push_output(HubSettings(push_to_hub=True, hub_model_id="me/my-ppo"), out, "ppo")
     message = str(failed.value)
     assert message.startswith(f"the ppo output is complete in {out}, but pushing it to me/my-ppo failed (")
+    assert "403" in message  # the hub's own refusal, after the repo was made with the token
     assert message.endswith(f"push it again with `hf upload me/my-ppo {out}`") and "\n" not in message
     assert (out / "adapter_model.safetensors").read_bytes() == b"weights"
     assert push_output(HubSettings(), out, "ppo") is None  # not asked: nothing pushed
@@ -134,7 +135,10 @@ def test_a_failed_push_keeps_the_output_and_says_how_to_push_again(
 def test_a_push_that_cannot_work_is_refused_before_anything_loads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict, env: dict, message: str
 ) -> None:
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # no token saved by a login
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))  # read when the hub was imported
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("HF_TOKEN", "hf_standin")
     for key, value in env.items():
