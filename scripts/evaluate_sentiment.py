@@ -17,7 +17,6 @@ side-by-side samples) and `reward_hist.png`.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     built = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)
     queries = built.ids[: args.n_prompts]
-    prompt_args = dataclasses.replace(prompt_args, stop_at_eos=prompt_args.stops_at_eos(built.chat))  # as PPO's
+    stop_at_eos = prompt_args.stops_at_eos(built.chat)  # as PPO resolved it (its setting stays as given)
 
     from peft import PeftModel
 
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     vocabulary = corpus_vocabulary(prompt_texts(prompt_args, "train", demo_args.demo_cache_dir))
 
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
-        rows = answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device)
+        rows = answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args, reward, judge, device)
         report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         table = report_table(report, args.n_samples_shown)
@@ -116,7 +115,7 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     return adapter_dir, model_path, reward_base
 
 
-def answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judge, device) -> list[dict]:
+def answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args, reward, judge, device) -> list[dict]:
     """Policy and reference answer every query at the same drawn length; the reward and judge score both."""
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(
@@ -126,13 +125,13 @@ def answer_and_score(policy, tokenizer, queries, prompt_args, args, reward, judg
     for c in range(0, len(queries), args.batch_size):
         qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
         torch.manual_seed(args.seed + c)
-        rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+        rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device)
         with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
             logp = response_logprobs(policy, rollout)
             with policy.disable_adapter():
                 ref_logp = response_logprobs(policy, rollout)
                 torch.manual_seed(args.seed + c)
-                ref_rollout = sample_responses(policy, tokenizer, qs, ls, prompt_args.stop_at_eos, device)
+                ref_rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device)
         kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
         q_texts, p_texts = decode(tokenizer, rollout)
         _, r_texts = decode(tokenizer, ref_rollout)
