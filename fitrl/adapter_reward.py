@@ -107,22 +107,27 @@ class AdapterReward:
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive): the reward of each text, and whether it is above 0."""
-        eos, scores = self.tokenizer.eos_token, []
+        scores = []
         backbone = self.policy.get_base_model().base_model  # the body below the LM head
         training = self.policy.training
         self.policy.eval()
         try:
             with active_adapter(self.policy, REWARD_ADAPTER):
-                for i in range(0, len(texts), self.batch_size):
-                    batch = [t if t.endswith(eos) else t + eos for t in texts[i : i + self.batch_size]]
-                    enc = self.tokenizer(batch, padding=True, padding_side="right", return_tensors="pt")
-                    enc = enc.to(self.device)
+                for enc in eos_batches(self.tokenizer, texts, self.batch_size, self.device):
                     hidden = backbone(**enc).last_hidden_state  # (B, T, H)
                     scores.append(self.head(last_token(hidden, enc.input_ids, self.tokenizer.pad_token_id)))
         finally:
             self.policy.train(training)
         rewards = torch.cat(scores)[:, 0].float().cpu()
         return rewards, rewards > 0
+
+
+def eos_batches(tokenizer: Any, texts: list[str], batch_size: int, device: torch.device) -> Iterator[Any]:
+    """The texts as the rm stage trained on them: EOS appended, in right-padded batches on `device`."""
+    eos = tokenizer.eos_token
+    for i in range(0, len(texts), batch_size):
+        batch = [t if t.endswith(eos) else t + eos for t in texts[i : i + batch_size]]
+        yield tokenizer(batch, padding=True, padding_side="right", return_tensors="pt").to(device)
 
 
 def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -181,10 +186,6 @@ class SeparateAdapterReward:
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive): the reward of each text, and whether it is above 0."""
-        eos, scores = self.tokenizer.eos_token, []
-        for i in range(0, len(texts), self.batch_size):
-            batch = [t if t.endswith(eos) else t + eos for t in texts[i : i + self.batch_size]]
-            enc = self.tokenizer(batch, padding=True, padding_side="right", return_tensors="pt").to(self.device)
-            scores.append(self.model(**enc).logits[:, 0].float().cpu())
-        rewards = torch.cat(scores)
+        batches = eos_batches(self.tokenizer, texts, self.batch_size, self.device)
+        rewards = torch.cat([self.model(**enc).logits[:, 0].float().cpu() for enc in batches])
         return rewards, rewards > 0

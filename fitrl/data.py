@@ -143,7 +143,11 @@ def load_text_dataset(
     source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
 ) -> Any:
     """A dataset with one non-empty `text` column, for causal-LM training or PPO prompts."""
-    ds = load_dataset_any(source, split, demo_cache_dir)
+    return text_rows(load_dataset_any(source, split, demo_cache_dir), source, text_column, max_samples, min_chars)
+
+
+def text_rows(ds: Any, source: str, text_column: str, max_samples: int | None = None, min_chars: int = 1) -> Any:
+    """`ds` (loaded from `source`) cut to one `text` column of texts of at least `min_chars` characters."""
     require_columns(ds, [text_column], source)
     ds = ds.select_columns([text_column])
     if text_column != "text":
@@ -164,7 +168,7 @@ def load_column(source: str, split: str, column: str, demo_cache_dir: str) -> li
         files = _source_files(source, split, demo_cache_dir)
         if files is None or any(p.suffix != ".jsonl" for p in files):
             ds = load_dataset_any(source, split, demo_cache_dir)
-            check_columns(ds.column_names, [column], source)
+            require_columns(ds, [column], source)
             return list(ds[column])
         rows = [row for p in files for row in _json_rows(p)]
     except OSError as e:

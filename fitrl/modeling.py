@@ -196,6 +196,20 @@ def loading_errors(what: str, path: str) -> Iterator[None]:
         raise UsageError(f"cannot load {what} {path}{where}: {first_line(e)}") from None
 
 
+def _from_pretrained(auto: Any, path: str, what: str, qconfig: Any, **kwargs: Any) -> Any:
+    """`auto.from_pretrained(path)`, quantized by `qconfig` (None: not): placed by bitsandbytes as it loads,
+    then the checkpoint map released and 8-bit layers made to run on a CPU. What it returns, returned."""
+    if qconfig is not None:
+        kwargs.update(quantization_config=qconfig, device_map=_device_map())
+    with loading_errors(what, path):
+        loaded = auto.from_pretrained(path, **kwargs)
+    if qconfig is not None:
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info) when asked
+        _release_checkpoint_map(model)
+        int8_layers_on_cpu(model)
+    return loaded
+
+
 def load_causal_lm(
     args: ModelArguments,
     *,
@@ -217,17 +231,10 @@ def load_causal_lm(
     dtype = torch_dtype(args.dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
     qconfig = quantization_config(args.quantization, dtype, skip=[SCORE_HEAD] if score_head else None)
-    if qconfig is not None:
-        kwargs["quantization_config"] = qconfig
-        kwargs["device_map"] = _device_map()
     if score_head:
         kwargs["num_labels"] = 1
     auto = AutoModelForSequenceClassification if score_head else AutoModelForCausalLM
-    with loading_errors("model", path):
-        model = auto.from_pretrained(path, **kwargs)
-    if qconfig is not None:
-        _release_checkpoint_map(model)
-        int8_layers_on_cpu(model)
+    model = _from_pretrained(auto, path, "model", qconfig, **kwargs)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
         if getattr(model, "generation_config", None) is not None:
@@ -253,15 +260,10 @@ def load_classifier(path: str, dtype: str = "float32", quantization: str = "none
     from transformers import AutoModelForSequenceClassification
 
     compute = torch_dtype(dtype)
-    kwargs: dict[str, Any] = {"dtype": compute, "output_loading_info": True}
     qconfig = quantization_config(quantization, compute, skip=list(CLASSIFIER_HEADS))
-    if qconfig is not None:
-        kwargs.update(quantization_config=qconfig, device_map=_device_map())
-    with loading_errors("reward model", path):
-        model, info = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
-    if qconfig is not None:
-        _release_checkpoint_map(model)
-        int8_layers_on_cpu(model)
+    model, info = _from_pretrained(
+        AutoModelForSequenceClassification, path, "reward model", qconfig, dtype=compute, output_loading_info=True
+    )
     return model.eval(), info
 
 

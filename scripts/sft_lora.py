@@ -28,7 +28,7 @@ from typing import Any
 from fitrl.chat import check_chat, is_chat, use_chat_template
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import config_dict, entrypoint
-from fitrl.data import load_dataset_any, load_text_dataset, require_columns
+from fitrl.data import load_dataset_any, require_columns, text_rows
 from fitrl.demo import DemoArguments
 from fitrl.distributed import process_state
 from fitrl.ending import TrainingEnd, finish_training
@@ -96,8 +96,7 @@ def examples(args: SFTArguments, demo_cache_dir: str) -> tuple[Any, bool]:
     require_columns(ds, [args.text_column], args.dataset)
     values = ds[args.text_column]
     if not any(is_chat(v) for v in values):
-        return load_text_dataset(args.dataset, args.dataset_split, args.text_column, demo_cache_dir,
-                                 args.max_samples), False  # fmt: skip
+        return text_rows(ds, args.dataset, args.text_column, args.max_samples), False
     for row, value in enumerate(values):
         if value is not None:
             check_chat(value, args.text_column, row, prompt=False)
