@@ -3,6 +3,7 @@
     bash pipeline.sh                                   # the embedded demo, on a CPU, in minutes
     bash pipeline.sh --profile neox20b-24gb            # gpt-neox-20b RLHF on one 24 GB GPU
     bash pipeline.sh --profile llama1b-16gb            # GRPO on GSM8K, then its evaluation
+    bash pipeline.sh --profile qwen0.5b-16gb           # the whole menu for Qwen2.5-0.5B-Instruct in 16 GB
     bash pipeline.sh --stages ppo eval                 # a subset; --from ppo: ppo and every stage after it
     bash pipeline.sh --launcher ddp_2gpu               # configs/accelerate/ddp_2gpu.yaml (or any command)
     bash pipeline.sh --run_dir runs/try2 --force       # another run directory; re-run every stage

@@ -31,35 +31,27 @@ def _scripts(stdout: str) -> list[str]:
     ]
 
 
+# Every stage, in the pipeline's order: the demo's and the Qwen profile's
+WHOLE_MENU = [
+    "sft_lora.py",
+    "merge_adapter.py",
+    "train_reward.py",
+    "ppo_sentiment.py",
+    "evaluate_sentiment.py",
+    "dpo.py",
+    "evaluate_sentiment.py",
+    "grpo_gsm8k.py",
+    "evaluate_gsm8k.py",
+]
+
+
 @pytest.mark.parametrize(
     ("profile", "scripts"),
     [
-        (
-            "demo",
-            [
-                "sft_lora.py",
-                "merge_adapter.py",
-                "train_reward.py",
-                "ppo_sentiment.py",
-                "evaluate_sentiment.py",
-                "dpo.py",
-                "evaluate_sentiment.py",
-                "grpo_gsm8k.py",
-                "evaluate_gsm8k.py",
-            ],
-        ),
-        (
-            "neox20b-24gb",
-            [
-                "sft_lora.py",
-                "merge_adapter.py",
-                "train_reward.py",
-                "ppo_sentiment.py",
-                "evaluate_sentiment.py",
-                "dpo.py",
-            ],
-        ),
+        ("demo", WHOLE_MENU),
+        ("neox20b-24gb", WHOLE_MENU[:6]),  # up to DPO, without its evaluation
         ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
+        ("qwen0.5b-16gb", WHOLE_MENU),
     ],
 )
 def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:

@@ -306,6 +306,22 @@ def test_llama1b_grpo_profile_fits_a_16gb_laptop_card_and_full_finetuning_needs_
     assert full["peak_bytes"] >= 2 * lora["peak_bytes"]
 
 
+@pytest.mark.slow
+def test_every_qwen_profile_stage_fits_the_smallest_16gb_desktop_card() -> None:
+    """Qwen2.5-0.5B-Instruct's whole menu on an RTX 4060 Ti 16GB (15.55 GiB as torch sees it), PPO with
+    its reward model on the policy's own backbone."""
+    qwen = ["--architecture", "Qwen/Qwen2.5-0.5B-Instruct", "--gpu", "RTX 4060 Ti 16GB"]
+    peaks = {}
+    for stage in ["sft", "rm", "ppo", "dpo", "grpo"]:
+        code, plan = _cli("--config", CONFIGS / "qwen0.5b-16gb" / f"{stage}.yaml", *qwen)
+        assert code == 0 and plan["fits"] and plan["gpu_memory_bytes"] == int(15.55 * GiB), (stage, plan)
+        assert 0.9 * GiB < plan["components"]["weights"] < 1.1 * GiB, plan  # 494M parameters in bf16
+        peaks[stage] = plan["peak_bytes"]
+        if stage == "ppo":
+            assert plan["components"]["reward_model"] == 0, plan
+    assert max(peaks.values()) < 8 * GiB, peaks  # room to spare: a 1.5B model is the next step up
+
+
 def test_cli_traces_the_demo_and_prints_a_table(demo_cache: Path) -> None:
     result = run_script(
         "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--trace"

@@ -3,7 +3,9 @@
 A setting only a real profile uses (tensorboard in PPO, an 8-bit optimizer, fp16 on an 8-bit base, a
 786-token completion limit, a judge model) is exercised here: the profile's YAML files are copied
 unchanged except that each hub id becomes a local stand-in (`STAND_INS`) and each stage stops after
-two steps, an evaluation after one batch (`TWO_STEPS`). A hub id without a stand-in fails the test,
+two steps, an evaluation after one batch (`TWO_STEPS`). A step of SFT, the reward model or DPO
+accumulates two micro-batches, and PPO makes one pass over its batch: the same code as the profile's
+16-32 micro-batches and 4 passes, repeated fewer times. A hub id without a stand-in fails the test,
 so a new profile gets one. The demo profile runs whole in `tests/test_demo_learns.py`.
 """
 
@@ -31,17 +33,24 @@ STAND_INS = {
     "meta-llama/Llama-3.2-1B-Instruct": "{tiny_llama}",
     "openai/gsm8k": "demo://arithmetic",
     "Anthropic/hh-rlhf": "demo://preferences",
+    "Dahoas/rm-static": "demo://preferences",
+    "Qwen/Qwen2.5-0.5B-Instruct": "{tiny_llama}",
 }
 # Per stage, what makes it two steps long (evaluations: one batch).
 TWO_STEPS = {
-    "sft": {"max_steps": 2},
-    "rm": {"max_steps": 2, "max_eval_samples": 8},
-    "ppo": {"steps": 2},
-    "dpo": {"max_steps": 2, "max_eval_samples": 8},
+    "sft": {"max_steps": 2, "gradient_accumulation_steps": 2},
+    "rm": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
+    "ppo": {"steps": 2, "ppo_epochs": 1},
+    "dpo": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
     "grpo": {"max_steps": 2},
     "eval": {"n_prompts": 16},
+    "eval_dpo": {"n_prompts": 16},
     "eval_gsm8k": {"max_samples": 32},
 }
+# What one profile runs at its worst case another need not: llama1b-16gb generates GRPO's and its
+# evaluation's 786 tokens; qwen0.5b-16gb's, the same code at 512, stop at 64 so that the suite stays
+# inside CI's 20 minutes (the planner test plans them at 512).
+SHORTER = {"qwen0.5b-16gb": {"grpo": {"max_completion_length": 64}, "eval_gsm8k": {"max_new_tokens": 64}}}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -90,6 +99,7 @@ def profile_project(root: Path, profile: str, demo_cache: Path, tiny_llama: Path
         unknown = [v for v in values.values() if isinstance(v, str) and HUB_ID.match(v) and not Path(v).exists()]
         assert not unknown, f"{config}: add a stand-in for {unknown} to STAND_INS"
         values.update(TWO_STEPS.get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        values.update(SHORTER.get(profile, {}).get(config.stem, {}))
         (root / "configs" / profile / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
     return root
 
