@@ -3,7 +3,7 @@
 A setting only a real profile uses (tensorboard in PPO, an 8-bit optimizer, fp16 on an 8-bit base, a
 786-token completion limit, a judge model) is exercised here: the profile's YAML files are copied
 unchanged except that each hub id becomes a local stand-in (`STAND_INS`) and each stage stops after
-two steps, an evaluation after one batch (`TWO_STEPS`). A step of SFT, the reward model or DPO
+two steps (GRPO after one), an evaluation after one batch (`TWO_STEPS`). A step of SFT, the reward model or DPO
 accumulates two micro-batches, and PPO makes one pass over its batch: the same code as the profile's
 16-32 micro-batches and 4 passes, repeated fewer times. A hub id without a stand-in fails the test,
 so a new profile gets one. The demo profile runs whole in `tests/test_demo_learns.py`.
@@ -36,16 +36,16 @@ STAND_INS = {
     "Dahoas/rm-static": "demo://preferences",
     "Qwen/Qwen2.5-0.5B-Instruct": "{tiny_llama}",
 }
-# Per stage, what makes it two steps long (evaluations: one batch).
+# Per stage, what makes it two steps long (GRPO one, evaluations one batch).
 TWO_STEPS = {
     "sft": {"max_steps": 2, "gradient_accumulation_steps": 2},
     "rm": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
     "ppo": {"steps": 2, "ppo_epochs": 1},
     "dpo": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
-    "grpo": {"max_steps": 2},
-    "eval": {"n_prompts": 16},
-    "eval_dpo": {"n_prompts": 16},
-    "eval_gsm8k": {"max_samples": 32},
+    "grpo": {"max_steps": 1},  # one: generating the profile's completion length is most of a step
+    "eval": {"n_prompts": 8},
+    "eval_dpo": {"n_prompts": 8},
+    "eval_gsm8k": {"max_samples": 8},
 }
 # What one profile runs at its worst case another need not: llama1b-16gb generates GRPO's and its
 # evaluation's 786 tokens; qwen0.5b-16gb's, the same code at 512, stop at 64 so that the suite stays
