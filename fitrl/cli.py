@@ -4,6 +4,7 @@
     fitrl ppo --config configs/neox20b-24gb/ppo.yaml --num_processes 2 --config_file configs/accelerate/ddp_2gpu.yaml
     fitrl eval --config configs/demo/eval.yaml                   # an evaluation or the merge: one process
     fitrl pipeline --profile demo                                # bash pipeline.sh's options
+    fitrl pipeline --profile mine                                # a folder of your own <stage>.yaml files
     fitrl plan --config configs/llama1b-16gb/grpo.yaml --gpu "RTX 3080 Laptop 16GB"
     fitrl doctor --profile neox20b-24gb                          # what would stop a run
     fitrl report outputs/demo                                    # rebuild a run's report
@@ -141,10 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         raise SystemExit(0 if argv else 2)
     name, rest = argv[0], argv[1:]
-    if name in TOOLS:  # the pipeline, like pipeline.sh, runs from the checkout: configs/ is relative to it
-        raise SystemExit(
-            subprocess.call([sys.executable, *TOOLS[name][0], *rest], cwd=ROOT if name == "pipeline" else None)
-        )
+    if name in TOOLS:  # from here: a folder of the user's configs and its relative paths mean what they say
+        raise SystemExit(subprocess.call([sys.executable, *TOOLS[name][0], *rest]))
     if name not in NAMES:
         fail(f"unknown stage or tool '{name}'; known: {' '.join([*NAMES, *TOOLS])} (fitrl --help)")
     stage = get(name)

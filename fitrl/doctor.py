@@ -345,6 +345,7 @@ def run(profile: Path, run_dir: Path, gpu_name: str | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     from fitrl.config import ArgumentParser
+    from fitrl.stages import profile_dir
 
     parser = ArgumentParser(prog="python -m fitrl.doctor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="demo", help="configs/<profile>, or a folder of stage configs.")
@@ -352,9 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu", help="Plan for this card (e.g. 'RTX 4090') instead of the one detected.")
     try:
         args = parser.parse_args(argv)
-        profile = Path(args.profile) if Path(args.profile).is_dir() else ROOT / "configs" / args.profile
-        if not profile.is_dir():
-            raise UsageError(f"no profile {args.profile}: give a configs/ name or a folder of <stage>.yaml files")
+        profile = profile_dir(args.profile)
         code = run(profile, Path(args.run_dir or f"outputs/{profile.name}"), args.gpu)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

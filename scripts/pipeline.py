@@ -10,7 +10,9 @@
     bash pipeline.sh --dry_run                         # print the commands, run nothing
     bash pipeline.sh --check --profile neox20b-24gb    # what would stop the run, in seconds (fitrl.doctor)
 
-Each stage's config is `configs/<profile>/<stage>.yaml`; the pipeline points every stage's output into
+Each stage's config is `configs/<profile>/<stage>.yaml`, or `<folder>/<stage>.yaml` of a folder of your
+own (`fitrl pipeline --profile mine`, run where your files are: their relative paths are read from
+there, as `fitrl <stage>` reads them; pipeline.sh runs from the checkout). The pipeline points every stage's output into
 the run directory (default `outputs/<profile>`) and every input at the stage before it there, so
 nobody types a path twice. A stage that completed with the same resolved settings is skipped; one
 whose settings changed re-runs, and so does every stage that reads its output; PPO and GRPO that
@@ -36,7 +38,7 @@ from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
 from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
-from fitrl.stages import NAMES, STAGES, Stage, get, inputs, stage_args
+from fitrl.stages import NAMES, SHIPPED_CONFIGS, STAGES, Stage, get, inputs, profile_dir, profiles, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
 NOT_RESULTS = {
@@ -51,8 +53,15 @@ LOG_TAIL = 15
 RUN_MARKER = ".fitrl-run.json"  # a run directory's: later runs may write into it
 
 
-def profiles() -> list[str]:
-    return sorted(p.name for p in Path("configs").iterdir() if p.is_dir() and p.name != "accelerate")
+SCRIPTS = Path(__file__).absolute().parent  # not resolved: a project's linked scripts/ shows as its own
+
+
+def shown(path: Path) -> Path:
+    """`path` from here when it is under here (the checkout's `configs/demo/sft.yaml`), else whole."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def arguments() -> argparse.ArgumentParser:
@@ -63,12 +72,16 @@ def arguments() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"stages, in order: {' '.join(NAMES)}\nprofiles: {' '.join(profiles())}\n"
-            "launchers: " + " ".join(p.stem for p in sorted(Path("configs/accelerate").glob("*.yaml"))) + "\n\n"
+            "launchers: " + " ".join(p.stem for p in sorted((SHIPPED_CONFIGS / "accelerate").glob("*.yaml"))) + "\n\n"
             "examples:\n"
             + "\n".join(line.strip() for line in __doc__.splitlines() if line.strip().startswith("bash pipeline.sh"))
         ),
     )
-    parser.add_argument("--profile", default=env.get("PROFILE", "demo"), help="configs/<profile>/ (default: demo)")
+    parser.add_argument(
+        "--profile",
+        default=env.get("PROFILE", "demo"),
+        help="configs/<profile>/, or a folder of your own <stage>.yaml files (default: demo)",
+    )
     parser.add_argument(
         "--stages", nargs="+", default=env.get("STAGES", "").split() or None, help="run only these stages"
     )
@@ -90,6 +103,7 @@ def arguments() -> argparse.ArgumentParser:
 @dataclass
 class Request:
     profile: str
+    configs: Path  # the profile's folder of <stage>.yaml files
     stages: list[Stage]
     run_dir: Path
     launch: list[str]
@@ -102,23 +116,24 @@ class Request:
 def parse(argv: list[str]) -> Request:
     """The request, every part checked before anything runs: a typo in the last stage costs nothing."""
     args = arguments().parse_args(argv)
-    if args.profile not in profiles():
-        raise UsageError(f"no profile configs/{args.profile}; pick one of: {' '.join(profiles())}")
-    available = [s.name for s in STAGES if Path(f"configs/{args.profile}/{s.name}.yaml").is_file()]
+    configs = shown(profile_dir(args.profile))
+    name = configs.resolve().name
+    available = [s.name for s in STAGES if (configs / f"{s.name}.yaml").is_file()]
     if not available:
-        raise UsageError(f"profile '{args.profile}' has no stage configs (configs/{args.profile}/<stage>.yaml)")
+        raise UsageError(f"profile '{args.profile}' has no stage configs ({configs}/<stage>.yaml)")
     wanted = args.stages or available
     if args.start:
         if args.start not in NAMES:
             raise UsageError(f"unknown stage '{args.start}' for --from; known: {' '.join(NAMES)}")
         wanted = [s for s in available if NAMES.index(s) >= NAMES.index(args.start)]
-    for name in wanted:
-        get(name)
-        if name not in available:
-            raise UsageError(f"profile '{args.profile}' has no stage '{name}' (no configs/{args.profile}/{name}.yaml)")
-    run_dir = check_run_dir(Path(args.run_dir or f"outputs/{args.profile}"))
+    for stage in wanted:
+        get(stage)
+        if stage not in available:
+            raise UsageError(f"profile '{args.profile}' has no stage '{stage}' (no {configs}/{stage}.yaml)")
+    run_dir = check_run_dir(Path(args.run_dir or f"outputs/{name}"))
     return Request(
-        args.profile,
+        name,
+        configs,
         [s for s in STAGES if s.name in wanted],
         run_dir,
         launcher(args.launcher),
@@ -150,8 +165,8 @@ def launcher(value: str | None) -> list[str]:
     """`accelerate launch` with a named config from configs/accelerate/, a config file, or a command as given."""
     if not value:
         return shlex.split(DEFAULT_LAUNCH)
-    named = Path("configs/accelerate") / f"{value}.yaml"
-    for path in [named, Path(value)]:
+    named = [root / "accelerate" / f"{value}.yaml" for root in (Path("configs"), shown(SHIPPED_CONFIGS))]
+    for path in [*named, Path(value)]:
         if path.suffix == ".yaml" and path.is_file():
             return ["accelerate", "launch", "--quiet", "--config_file", str(path)]
     if " " not in value.strip() and not value.startswith("accelerate"):
@@ -168,9 +183,9 @@ def stage_output(req: Request, stage: Stage) -> Path:
 
 def command(req: Request, stage: Stage) -> list[str]:
     """The stage's command line: its config, its output in the run directory, its input from the stage before."""
-    args = stage_args(stage, Path("configs") / req.profile, req.run_dir)
+    args = stage_args(stage, req.configs, req.run_dir)
     runner = req.launch if stage.training else ["python"]
-    return [*runner, f"scripts/{stage.script}", *args]
+    return [*runner, str(shown(SCRIPTS / stage.script)), *args]
 
 
 def _results_settings(settings: dict[str, Any]) -> dict[str, Any]:
@@ -270,9 +285,9 @@ def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float])
     if req.dry_run:
         print(" ".join(cmd))
         return
-    configs = stage.parse(cmd[cmd.index(f"scripts/{stage.script}") + 1 :])
+    configs = stage.parse(stage_args(stage, req.configs, req.run_dir))
     settings = config_dict(*configs)
-    upstream = [producer for _, producer in inputs(stage, Path("configs") / req.profile) if producer in req.ran]
+    upstream = [producer for _, producer in inputs(stage, req.configs) if producer in req.ran]
     if req.force:
         reason = "forced"
     elif upstream:
@@ -319,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     if req.check:
         from fitrl import doctor
 
-        raise SystemExit(doctor.run(Path("configs") / req.profile, req.run_dir))
+        raise SystemExit(doctor.run(req.configs, req.run_dir))
     from fitrl import report
 
     timings = report.read_timings(req.run_dir)
@@ -341,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             run_stage(req, i, stage, timings)
         except UsageError as e:  # a stage's config the stage itself would refuse: one line, exit 2
-            print(f"error: {stage.name} (configs/{req.profile}/{stage.name}.yaml): {e}", file=sys.stderr)
+            print(f"error: {stage.name} ({req.configs}/{stage.name}.yaml): {e}", file=sys.stderr)
             raise SystemExit(2) from None
     if req.dry_run:
         return

@@ -2,7 +2,8 @@
 files only (issue: "your own model, data and reward"): a tiny Qwen2-style model with a ChatML chat
 template, SFT on a `messages` file, PPO on chat prompts against a scalar reward model whose tokenizer
 has no pad token and its evaluation, GRPO with a reward function in a file of its own on question/answer data whose
-answers are plain numbers, and a usage error that is one line and exit 2. The base is loaded in 4-bit,
+answers are plain numbers, a usage error that is one line and exit 2, and the same folder of configs
+run as a profile of the pipeline. The base is loaded in 4-bit,
 as QLoRA on a 16 GB card would, with biased layers of odd sizes (bitsandbytes' CPU path).
 
 Every model and file is built here, as a user would bring them; nothing comes from the hub or the demo.
@@ -107,11 +108,18 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     _data(tmp_path)
     _configs(tmp_path, policy, scorer)
 
-    sft = _fitrl(tmp_path, "sft", "--config", "mine/sft.yaml")
+    # The folder is a profile of the pipeline too, run from here (its relative data paths read from here):
+    # it would run sft, ppo and grpo into outputs/mine; SFT goes that way, the rest one command each.
+    planned = _fitrl(tmp_path, "pipeline", "--profile", "mine", "--dry_run")
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    configs = [line.split("--config ")[1].split()[0] for line in planned.stdout.splitlines()]
+    assert configs == ["mine/sft.yaml", "mine/ppo.yaml", "mine/grpo.yaml"], planned.stdout
+    sft = _fitrl(tmp_path, "pipeline", "--profile", "mine", "--stages", "sft")
     assert sft.returncode == 0, sft.stderr[-3000:]
-    out = tmp_path / "outputs" / "sft"
+    out = tmp_path / "outputs" / "mine" / "sft"
     assert (out / "adapter_model.safetensors").is_file() and (out / "chat_template.jinja").read_text() == CHATML
     assert len(read_jsonl(out / "metrics.jsonl")) >= 2
+    assert "fitrl mine run" in (tmp_path / "outputs" / "mine" / "report.md").read_text()
 
     refused = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml", "--reward_kind", "probability")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]

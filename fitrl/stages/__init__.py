@@ -25,6 +25,7 @@ STAGES: tuple[Stage, ...] = (
     eval_gsm8k.STAGE,
 )
 NAMES = tuple(s.name for s in STAGES)
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/
 PLANNABLE = tuple(s.name for s in STAGES if s.memory is not None)
 
 
@@ -34,6 +35,30 @@ def get(name: str) -> Stage:
         if stage.name == name:
             return stage
     raise UsageError(f"unknown stage '{name}'; known: {' '.join(NAMES)}")
+
+
+def _config_roots() -> list[Path]:
+    """Where profiles live: the project the command runs in (`configs/` here), then the checkout's."""
+    return [Path("configs"), SHIPPED_CONFIGS]
+
+
+def profiles() -> list[str]:
+    """The profiles there are: the folders of those configs/, their launchers aside."""
+    found = {p.name for root in _config_roots() if root.is_dir() for p in root.iterdir() if p.is_dir()}
+    return sorted(found - {"accelerate"})
+
+
+def profile_dir(profile: str) -> Path:
+    """The folder of `<stage>.yaml` files `profile` names: a folder of the user's (a path from here), or a
+    profile's `configs/<profile>` (this project's, else the checkout's)."""
+    path = Path(profile).expanduser()
+    if path.is_dir():
+        return path
+    if profile in profiles():
+        return next(root / profile for root in _config_roots() if (root / profile).is_dir())
+    raise UsageError(
+        f"no profile configs/{profile}; pick one of: {' '.join(profiles())}, or give a folder of <stage>.yaml files"
+    )
 
 
 def inputs(stage: Stage, profile: Path) -> list[tuple[str, str]]:
@@ -58,4 +83,16 @@ def stage_args(stage: Stage, profile: Path, run_dir: Path) -> list[str]:
     return args
 
 
-__all__ = ["NAMES", "PLANNABLE", "STAGES", "Stage", "StageMemory", "get", "inputs", "stage_args"]
+__all__ = [
+    "NAMES",
+    "PLANNABLE",
+    "SHIPPED_CONFIGS",
+    "STAGES",
+    "Stage",
+    "StageMemory",
+    "get",
+    "inputs",
+    "profile_dir",
+    "profiles",
+    "stage_args",
+]
