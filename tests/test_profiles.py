@@ -3,10 +3,11 @@
 A setting only a real profile uses (tensorboard in PPO, an 8-bit optimizer, fp16 on an 8-bit base, a
 786-token completion limit, a judge model) is exercised here: the profile's YAML files are copied
 unchanged except that each hub id becomes a local stand-in (`STAND_INS`) and each stage stops after
-two steps (GRPO after one), an evaluation after one batch (`TWO_STEPS`). A step of SFT, the reward model or DPO
-accumulates two micro-batches, and PPO makes one pass over its batch: the same code as the profile's
-16-32 micro-batches and 4 passes, repeated fewer times. A hub id without a stand-in fails the test,
-so a new profile gets one. The demo profile runs whole in `tests/test_demo_learns.py`.
+two steps (PPO and GRPO, whose rollouts take most of their time, after one), an evaluation after one
+batch (`SHORT`). A step of SFT, the reward model or DPO accumulates two micro-batches, and PPO makes
+one pass over its batch: the same code as the profile's 8-32 micro-batches and 4 passes, repeated
+fewer times. A hub id without a stand-in fails the test, so a new profile gets one. The demo profile
+runs whole in `tests/test_demo_learns.py`.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ STAND_INS = {
     "Dahoas/rm-static": "demo://preferences",
     "Qwen/Qwen2.5-0.5B-Instruct": "{tiny_llama}",
 }
-# Per stage, what makes it two steps long (GRPO one, evaluations one batch).
-TWO_STEPS = {
+# Per stage, what makes it short: two steps (PPO and GRPO one), one batch of an evaluation.
+SHORT = {
     "sft": {"max_steps": 2, "gradient_accumulation_steps": 2},
     "rm": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
-    "ppo": {"steps": 2, "ppo_epochs": 1},
+    "ppo": {"steps": 1, "ppo_epochs": 1},
     "dpo": {"max_steps": 2, "max_eval_samples": 8, "gradient_accumulation_steps": 2},
-    "grpo": {"max_steps": 1},  # one: generating the profile's completion length is most of a step
+    "grpo": {"max_steps": 1},
     "eval": {"n_prompts": 8},
     "eval_dpo": {"n_prompts": 8},
     "eval_gsm8k": {"max_samples": 8},
@@ -98,7 +99,7 @@ def profile_project(root: Path, profile: str, demo_cache: Path, tiny_llama: Path
         values = {k: _stand_in(v, tiny_llama) for k, v in yaml.safe_load(config.read_text()).items()}
         unknown = [v for v in values.values() if isinstance(v, str) and HUB_ID.match(v) and not Path(v).exists()]
         assert not unknown, f"{config}: add a stand-in for {unknown} to STAND_INS"
-        values.update(TWO_STEPS.get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        values.update(SHORT.get(config.stem, {}), demo_cache_dir=str(demo_cache))
         values.update(SHORTER.get(profile, {}).get(config.stem, {}))
         (root / "configs" / profile / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
     return root
