@@ -12,9 +12,9 @@
 
 Each stage's config is `configs/<profile>/<stage>.yaml`, or `<folder>/<stage>.yaml` of a folder of your
 own (`fitrl pipeline --profile mine`, run where your files are: their relative paths are read from
-there, as `fitrl <stage>` reads them; pipeline.sh runs from the checkout). The pipeline points every stage's output into
-the run directory (default `outputs/<profile>`) and every input at the stage before it there, so
-nobody types a path twice. A stage that completed with the same resolved settings is skipped; one
+there, as `fitrl <stage>` reads them; pipeline.sh runs from the checkout). The pipeline points every
+stage's output into the run directory (default `outputs/<profile>`) and every input at the stage
+before it there, so nobody types a path twice. A stage that completed with the same resolved settings is skipped; one
 whose settings changed re-runs, and so does every stage that reads its output; PPO and GRPO that
 died resume from their latest checkpoint. Each stage's full output is in `<run_dir>/logs/<stage>.log`; the console gets
 its progress bar and one line of results. At the end `report.md` and `report.html` sum the run up.
