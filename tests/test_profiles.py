@@ -50,7 +50,7 @@ SHORT = {
 }
 # What one profile runs at its worst case another need not: llama1b-16gb generates GRPO's and its
 # evaluation's 786 tokens; qwen0.5b-16gb's, the same code at 512, stop at 64 so that the suite stays
-# inside CI's 20 minutes (the planner test plans them at 512).
+# inside CI's 20 minutes (the planner test plans its GRPO at 512).
 SHORTER = {"qwen0.5b-16gb": {"grpo": {"max_completion_length": 64}, "eval_gsm8k": {"max_new_tokens": 64}}}
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 

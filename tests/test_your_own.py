@@ -1,10 +1,10 @@
 """A new user's journey, with their own model, data and reward, through the `fitrl` command and config
 files only (issue: "your own model, data and reward"): a tiny Qwen2-style model with a ChatML chat
-template, SFT on a `messages` file, PPO on chat prompts against a scalar reward model whose tokenizer
-has no pad token and its evaluation, GRPO with a reward function in a file of its own on question/answer data whose
-answers are plain numbers, a usage error that is one line and exit 2, and the same folder of configs
-run as a profile of the pipeline. The base is loaded in 4-bit,
-as QLoRA on a 16 GB card would, with biased layers of odd sizes (bitsandbytes' CPU path).
+template, SFT on a `messages` file (the folder of configs run as a profile of the pipeline), PPO on
+chat prompts against a scalar reward model whose tokenizer has no pad token and its evaluation, GRPO
+with a reward function in a file of its own on question/answer data whose answers are plain numbers,
+and a usage error that is one line and exit 2. The base is loaded in 4-bit, as QLoRA on a 16 GB card
+would, with biased layers of odd sizes (bitsandbytes' CPU path).
 
 Every model and file is built here, as a user would bring them; nothing comes from the hub or the demo.
 """
