@@ -181,9 +181,9 @@ def stage_output(req: Request, stage: Stage) -> Path:
     return req.run_dir / stage.output_dir
 
 
-def command(req: Request, stage: Stage) -> list[str]:
-    """The stage's command line: its config, its output in the run directory, its input from the stage before."""
-    args = stage_args(stage, req.configs, req.run_dir)
+def command(req: Request, stage: Stage, args: list[str]) -> list[str]:
+    """The stage's command line: its launcher, its script and `args` (`stage_args`: its config, its output
+    in the run directory, its inputs from the stages before)."""
     runner = req.launch if stage.training else ["python"]
     return [*runner, str(shown(SCRIPTS / stage.script)), *args]
 
@@ -280,12 +280,13 @@ def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float])
     from fitrl import report
     from fitrl.config import config_dict
 
-    out, cmd = stage_output(req, stage), command(req, stage)
+    args = stage_args(stage, req.configs, req.run_dir)
+    out, cmd = stage_output(req, stage), command(req, stage, args)
     head = f"== [{index}/{len(req.stages)}] {stage.name}"
     if req.dry_run:
         print(" ".join(cmd))
         return
-    configs = stage.parse(stage_args(stage, req.configs, req.run_dir))
+    configs = stage.parse(args)
     settings = config_dict(*configs)
     upstream = [producer for _, producer in inputs(stage, req.configs) if producer in req.ran]
     if req.force:

@@ -54,8 +54,9 @@ def profile_dir(profile: str) -> Path:
     path = Path(profile).expanduser()
     if path.is_dir():
         return path
-    if profile in profiles():
-        return next(root / profile for root in _config_roots() if (root / profile).is_dir())
+    for root in _config_roots():
+        if profile != "accelerate" and (root / profile).is_dir():
+            return root / profile
     raise UsageError(
         f"no profile configs/{profile}; pick one of: {' '.join(profiles())}, or give a folder of <stage>.yaml files"
     )
