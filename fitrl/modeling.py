@@ -198,7 +198,7 @@ def loading_errors(what: str, path: str) -> Iterator[None]:
 
 def _from_pretrained(auto: Any, path: str, what: str, qconfig: Any, **kwargs: Any) -> Any:
     """`auto.from_pretrained(path)`, quantized by `qconfig` (None: not): placed by bitsandbytes as it loads,
-    then the checkpoint map released and 8-bit layers made to run on a CPU. What it returns, returned."""
+    then the checkpoint map released and 8-bit and 4-bit layers made to run on a CPU. What it returns, returned."""
     if qconfig is not None:
         kwargs.update(quantization_config=qconfig, device_map=_device_map())
     with loading_errors(what, path):
@@ -207,7 +207,24 @@ def _from_pretrained(auto: Any, path: str, what: str, qconfig: Any, **kwargs: An
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading info) when asked
         _release_checkpoint_map(model)
         int8_layers_on_cpu(model)
+        int4_layers_on_cpu(model)
     return loaded
+
+
+def int4_layers_on_cpu(model: nn.Module) -> None:
+    """Keep bitsandbytes' 4-bit layers on a CPU on the one product they train with.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight in place for a faster kernel
+    the first time a layer runs in eval without gradients (generation, the reference pass). That
+    kernel refuses a layer whose output size is not a multiple of 32, the repacked weight breaks the
+    training step that follows ("a view of a leaf Variable ... in-place operation"), and PPO would
+    divide probabilities taken in training by ones from another kernel. Other CPUs never take it.
+    """
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and module.weight.device.type == "cpu":
+            module.support_avx512bf16_for_cpu = False
 
 
 def load_causal_lm(

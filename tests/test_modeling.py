@@ -164,6 +164,24 @@ def test_8bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training(demo_cac
     assert torch.equal(in_eval, in_training)
 
 
+def test_4bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training_and_train_after_it(demo_cache: Path) -> None:
+    """On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for another kernel at the
+    first no-grad eval pass (PPO's sampling, its reference): other log-probs than the update's, and a
+    training step after it failed. fitrl keeps every CPU on the one product; elsewhere this holds anyway."""
+    model = load_causal_lm(_args(demo_cache, "4bit"), demo_cache_dir=str(demo_cache), for_training=True)
+    model = add_lora(model, LoraArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0))
+    x = torch.randint(0, model.config.vocab_size, (4, 16))
+    with torch.no_grad():
+        in_eval = model.eval()(input_ids=x).logits
+    model.train()  # the demo LM has no dropout
+    loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=x).logits, in_eval)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
+
+
 def test_frozen_int8_product_is_bitsandbytes_training_product_keeping_only_the_int8_weight() -> None:
     import bitsandbytes as bnb
 
