@@ -38,7 +38,7 @@ from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
 from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
-from fitrl.stages import NAMES, SHIPPED_CONFIGS, STAGES, Stage, get, inputs, profile_dir, profiles, stage_args
+from fitrl.stages import NAMES, STAGES, Stage, get, inputs, launchers, profile_dir, profiles, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
 NOT_RESULTS = {
@@ -72,7 +72,7 @@ def arguments() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             f"stages, in order: {' '.join(NAMES)}\nprofiles: {' '.join(profiles())}\n"
-            "launchers: " + " ".join(p.stem for p in sorted((SHIPPED_CONFIGS / "accelerate").glob("*.yaml"))) + "\n\n"
+            f"launchers: {' '.join(launchers())}\n\n"
             "examples:\n"
             + "\n".join(line.strip() for line in __doc__.splitlines() if line.strip().startswith("bash pipeline.sh"))
         ),
@@ -165,10 +165,9 @@ def launcher(value: str | None) -> list[str]:
     """`accelerate launch` with a named config from configs/accelerate/, a config file, or a command as given."""
     if not value:
         return shlex.split(DEFAULT_LAUNCH)
-    named = [root / "accelerate" / f"{value}.yaml" for root in (Path("configs"), shown(SHIPPED_CONFIGS))]
-    for path in [*named, Path(value)]:
-        if path.suffix == ".yaml" and path.is_file():
-            return ["accelerate", "launch", "--quiet", "--config_file", str(path)]
+    path = launchers().get(value) or Path(value)
+    if path.suffix == ".yaml" and path.is_file():
+        return ["accelerate", "launch", "--quiet", "--config_file", str(shown(path))]
     if " " not in value.strip() and not value.startswith("accelerate"):
         raise UsageError(f"unknown launcher '{value}': name a configs/accelerate/ file or give a command")
     return shlex.split(value)

@@ -119,6 +119,28 @@ def test_help_lists_stages_profiles_options_and_examples() -> None:
         assert text in result.stdout, text
 
 
+def test_a_projects_own_launcher_is_listed_and_named_like_a_shipped_one(tmp_path: Path) -> None:
+    """`fitrl pipeline` in a project of the user's: its configs/accelerate/<name>.yaml is a launcher by
+    name, listed in --help beside the checkout's, and a shipped name it redefines means its own file."""
+    (tmp_path / "configs" / "accelerate").mkdir(parents=True)
+    shutil.copytree(CONFIGS / "demo", tmp_path / "mine")
+    for name in ("mine", "single_gpu"):
+        shutil.copy(CONFIGS / "accelerate" / "ddp_cpu_2proc.yaml", tmp_path / "configs" / "accelerate" / f"{name}.yaml")
+
+    def pipeline(*args: str) -> subprocess.CompletedProcess:
+        script = [sys.executable, str(ROOT / "scripts" / "pipeline.py"), *args]
+        return subprocess.run(script, cwd=tmp_path, env=pipeline_env(), capture_output=True, text=True, timeout=300)
+
+    launchers = next(line for line in pipeline("--help").stdout.splitlines() if line.startswith("launchers: "))
+    assert {"mine", "single_gpu", "ddp_cpu_2proc", "fsdp2"} <= set(launchers.split()[1:]), launchers
+    for name in ("mine", "single_gpu"):
+        result = pipeline("--profile", "mine", "--stages", "sft", "--launcher", name, "--dry_run")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"--config_file configs/accelerate/{name}.yaml " in result.stdout, result.stdout  # the project's
+    shipped = pipeline("--profile", "mine", "--stages", "sft", "--launcher", "fsdp2", "--dry_run")
+    assert f"--config_file {CONFIGS / 'accelerate' / 'fsdp2.yaml'} " in shipped.stdout, shipped.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

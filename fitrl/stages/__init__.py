@@ -48,6 +48,15 @@ def profiles() -> list[str]:
     return sorted(found - {"accelerate"})
 
 
+def launchers() -> dict[str, Path]:
+    """The named launcher configs, `configs/accelerate/<name>.yaml`: this project's, else the checkout's."""
+    found: dict[str, Path] = {}
+    for root in _config_roots():
+        for path in sorted((root / "accelerate").glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return dict(sorted(found.items()))
+
+
 def profile_dir(profile: str) -> Path:
     """The folder of `<stage>.yaml` files `profile` names: a folder of the user's (a path from here), or a
     profile's `configs/<profile>` (this project's, else the checkout's)."""
