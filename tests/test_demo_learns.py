@@ -95,10 +95,11 @@ def test_the_reward_model_ranks_held_out_pairs_as_well_as_their_noise_allows(dem
 def test_dpo_turns_responses_positive_on_ppos_prompts_and_the_report_sets_them_side_by_side(demo_run: Path) -> None:
     dpo, ppo = (json.loads((demo_run / s / "eval.json").read_text()) for s in ("eval_dpo", "eval"))
     assert [s["query"] for s in dpo["samples"]] == [s["query"] for s in ppo["samples"]]  # the same prompts
-    # The judge's positive share on the 96 held-out prompts, 7% for the reference: +33 points with the
-    # shipped seed, +20 and +23 with seeds 1 and 2. A share's standard error is under 5 points: the bar
-    # sits two of them under the lowest seed. The issue asks +20, which one seed in three just makes
-    # (a 4-16 token response seldom gets past the opening sentence to an opinion; PPO learns to).
+    # The judge's positive share on the 96 held-out prompts, 7-9% for the reference: +33 / +31 points with
+    # the shipped seed on an AVX2 and an AVX-512 box, +20 / +23 and +15 / +19 with seeds 1 / 2 there. A
+    # share's standard error is under 5 points: the bar is a gain two of them above none, which the lowest
+    # of the six clears. The issue asks +20, which not every seed makes (a 4-16 token response seldom
+    # gets past the opening sentence to an opinion; PPO learns to).
     judge = dpo["judge"]
     assert judge["policy"] >= judge["reference"] + 0.10, judge
     assert dpo["policy"]["corpus_word_share"] >= 0.92, dpo["policy"]  # RPO's NLL term keeps it fluent
