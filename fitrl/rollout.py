@@ -129,11 +129,14 @@ def sample_responses(
     stop_at_eos: bool,
     device: torch.device,
     keep_policy: bool = False,
+    sentence_ends: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample one response of `lengths[i]` tokens per query (top_k=0, top_p=1: the policy's own distribution).
 
     With `stop_at_eos` a response ends at (and includes) its first EOS; without it EOS cannot be
     sampled before the longest drawn length, and every response is cut to its drawn length.
+    `sentence_ends` (`sentence_end_ids`): each response is cut after the last of these tokens within
+    its length, where it has one; the tokens after it were sampled and are dropped, as after an EOS.
     `keep_policy`: also keep the log-prob, entropy and last hidden state of each sampled token
     (`PolicyOutputs`), read off the sampling pass itself: the logits before any processor (what
     the sampler drew from, EOS suppression aside) and the KV-cached forward's hidden states. It
@@ -171,10 +174,21 @@ def sample_responses(
         is_eos = responses == tokenizer.eos_token_id
         first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, r_len)
         lengths_t = torch.minimum(lengths_t, first_eos)
+    if sentence_ends is not None:
+        within = torch.arange(r_len, device=device)[None] < lengths_t[:, None]
+        is_end = torch.isin(responses, sentence_ends.to(device)) & within
+        last_end = r_len - 1 - is_end.flip(1).int().argmax(1)
+        lengths_t = torch.where(is_end.any(1), last_end + 1, lengths_t)
     response_mask = (torch.arange(r_len, device=device)[None] < lengths_t[:, None]).long()
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
     policy = _policy_outputs(step_logits, hidden, responses, response_mask) if keep_policy else None
     return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len, policy)
+
+
+def sentence_end_ids(tokenizer: Any) -> torch.Tensor:
+    """The ids of the tokens whose text ends a sentence ('.', '!' or '?', trailing spaces aside)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return torch.tensor([i for i, t in enumerate(texts) if t.rstrip().endswith((".", "!", "?"))], dtype=torch.long)
 
 
 def _policy_outputs(

@@ -52,6 +52,11 @@ class PromptArguments:
     query_max_tokens: int = help_field(8, "prompt_shaping prefix: the upper end of n.")
     response_min_tokens: int = help_field(4, "Each response gets a length drawn from [min, max] new tokens.")
     response_max_tokens: int = help_field(16, "Upper end of the response length range.")
+    response_end: Literal["length", "sentence"] = help_field(
+        "length",
+        "'sentence': cut each response after its last '.', '!' or '?' within its drawn length (one without keeps "
+        "its length), so a reward model trained on whole texts scores whole sentences, not a text cut mid-word.",
+    )
     stop_at_eos: bool | None = help_field(
         None,
         "Let a response end at EOS. Empty: for chats, whose turn ends there, yes; for texts, no (the blog's "

@@ -27,7 +27,7 @@ from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import entrypoint, load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
-from fitrl.rollout import decode, response_logprobs, sample_responses
+from fitrl.rollout import decode, response_logprobs, sample_responses, sentence_end_ids
 from fitrl.sentiment import (
     SentimentJudge,
     build_queries,
@@ -121,17 +121,18 @@ def answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args,
     lengths = torch.randint(
         prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),), generator=gen
     ).tolist()
+    ends = sentence_end_ids(tokenizer) if prompt_args.response_end == "sentence" else None  # as PPO cut them
     rows = []
     for c in range(0, len(queries), args.batch_size):
         qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]
         torch.manual_seed(args.seed + c)
-        rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device)
+        rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device, sentence_ends=ends)
         with torch.no_grad():  # KL(policy || reference) on the policy's own samples, summed over tokens
             logp = response_logprobs(policy, rollout)
             with policy.disable_adapter():
                 ref_logp = response_logprobs(policy, rollout)
                 torch.manual_seed(args.seed + c)
-                ref_rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device)
+                ref_rollout = sample_responses(policy, tokenizer, qs, ls, stop_at_eos, device, sentence_ends=ends)
         kl = ((logp - ref_logp) * rollout.response_mask).sum(1)
         q_texts, p_texts = decode(tokenizer, rollout)
         _, r_texts = decode(tokenizer, ref_rollout)

@@ -78,6 +78,7 @@ from fitrl.rollout import (
     decode,
     generation_batch,
     sample_responses,
+    sentence_end_ids,
 )
 from fitrl.sentiment import (
     FunctionReward,
@@ -110,6 +111,7 @@ class Run:
     resume: Path | None
     prompts: str = ""  # what became of the prompt rows (`Queries.summary`)
     stop_at_eos: bool = False  # a response ends at EOS (`PromptArguments.stops_at_eos`)
+    sentence_ends: torch.Tensor | None = None  # with response_end: sentence, the tokens a response is cut after
     reward_base: str | None = None  # the base a reward adapter is loaded on by itself (None: the policy's)
     out: Path | None = None
     model: Any = None  # PolicyAndValue, wrapped by accelerate (DDP) after prepare()
@@ -221,6 +223,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     run.reward_base = reward_base
     run.prompts = queries.summary(prompt_args)
     run.stop_at_eos = prompt_args.stops_at_eos(queries.chat)
+    run.sentence_ends = sentence_end_ids(tokenizer) if prompt_args.response_end == "sentence" else None
     if accelerator.is_main_process:
         print(f"PPO: {run.prompts}")
     if prompt_args.prompt_shaping == "whole":
@@ -388,6 +391,7 @@ def judge_reading(run: Run, step: int) -> float:
             lengths[c : c + size],
             run.stop_at_eos,
             run.device,
+            sentence_ends=run.sentence_ends,
         )
         texts += [q + r for qs, rs in [decode(run.tokenizer, part)] for q, r in zip(qs, rs)]
     verdict = run.judge(texts).mean().item()
@@ -420,6 +424,7 @@ def rollout(run: Run, step: int) -> list[Rollout]:
             run.stop_at_eos,
             run.device,
             keep_policy=keep_policy,
+            sentence_ends=run.sentence_ends,
         )
         for c in chunks
     ]

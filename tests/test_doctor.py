@@ -42,7 +42,7 @@ def test_the_demo_profile_is_ready(tmp_path: Path, demo_cache: Path, capsys: pyt
     ], lines
     for name in stages.PLANNABLE:  # every training stage planned
         assert any(line.startswith(f"ok    {name}: memory plan: peak") for line in lines), (name, lines)
-    assert any(line.startswith("ok    demo://classifier: built") for line in lines)
+    assert any(line.startswith("ok    demo://lexicon: built") for line in lines)  # PPO's judge
     # The stages that read an earlier stage's output are not sent looking for it
     assert not any(str(tmp_path / "run") in line for line in lines[:-1] if "free at" not in line)
 
@@ -70,7 +70,7 @@ def test_what_would_stop_a_run_is_one_error_line_each(
     no_config.mkdir()
     overrides = {
         "sft": {"text_column": "body"},
-        "ppo": {"reward_model": str(no_config)},
+        "ppo": {"reward_model": str(no_config), "reward_adapter": None},  # a classifier that is not one
         "rm": {"chosen_column": "better"},
         "grpo": {"model_name_or_path": "someone/not-downloaded-1b"},
     }
@@ -119,7 +119,7 @@ def test_packages_are_read_against_the_pins(tmp_path: Path, capsys: pytest.Captu
 
 @pytest.mark.slow
 def test_pipeline_check_runs_the_doctor_for_its_profile(tmp_path: Path, demo_cache: Path) -> None:
-    project = demo_project(tmp_path, demo_cache, "mine", stages=["sft", "merge", "ppo"])
+    project = demo_project(tmp_path, demo_cache, "mine", stages=["sft", "merge", "rm", "ppo"])
     result = bash_pipeline(project, "--profile", "mine", "--check", timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "ready"

@@ -94,6 +94,7 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, 
     for name in ["pipeline.sh", "scripts"]:
         (tmp_path / name).symlink_to(ROOT / name)
     config = (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
+    config = config.replace("reward_adapter: outputs/demo/rm", "reward_adapter: null")  # the classifier scores
     # the session's demo build: the reward model is resolved first, and the default cache is the user's
     (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(config + f"demo_cache_dir: {demo_cache}\n")
     result = subprocess.run(
@@ -171,7 +172,7 @@ def test_from_runs_a_stage_and_every_one_after_it() -> None:
 QUICK = {
     "sft": {"max_steps": 6, "logging_steps": 2},
     "merge": {},
-    "ppo": {"steps": 4, "save_steps": 1},
+    "ppo": {"steps": 4, "save_steps": 1, "reward_adapter": None},  # the demo classifier scores: no rm stage
     "eval": {"n_prompts": 16},
     "grpo": {"max_steps": 2, "per_device_train_batch_size": 16, "max_samples": 64},
     "eval_gsm8k": {"max_samples": 16},

@@ -16,7 +16,9 @@ from fitrl.outputs import read_jsonl
 from conftest import CONFIGS, Payload, accelerate_launch, error_line, run_script, sigterm_when
 
 PPO_YAML = CONFIGS / "demo" / "ppo.yaml"
-# The demo base stands in for the merged model, so these tests do not depend on stages 1 and 2.
+# The demo base stands in for the merged model and the demo classifier scores, so these tests do not
+# depend on the stages before PPO (tests/test_adapter_reward.py scores with an rm stage's adapter).
+CLASSIFIER = ["--reward_adapter", ""]
 SMALL = ["--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8"]
 
 
@@ -31,6 +33,7 @@ def _ppo(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = 
         demo_cache,
         "--output_dir",
         out,
+        *CLASSIFIER,
         *extra,
         launcher=launcher,
     )
@@ -143,7 +146,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, dem
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_cache: Path) -> None:
     out = tmp_path / "run"
-    args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_cache_dir", demo_cache]
+    args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_cache_dir", demo_cache, *CLASSIFIER]
     args += ["--output_dir", out, *SMALL, "--steps", "500", "--save_steps", "0"]
     code, line = sigterm_when("ppo_sentiment.py", *args, watch=tmp_path / ".run.partial" / "metrics.jsonl", rows=1)
     assert code == 143 and "stopped by SIGTERM after step" in line, line

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitrl.rollout import Rollout, left_pad, position_ids, response_logprobs, sample_responses
+from fitrl.rollout import Rollout, left_pad, position_ids, response_logprobs, sample_responses, sentence_end_ids
 
 PAD, EOS = 0, 1
 
@@ -73,6 +73,34 @@ def test_stop_at_eos_ends_a_response_at_its_first_eos_inclusive() -> None:
     assert model.calls[0]["min_new_tokens"] == 0
     assert r.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]]
     assert r.responses.tolist() == [[10, EOS, PAD, PAD], [20, 21, 22, PAD], [EOS, PAD, PAD, PAD]]
+
+
+def test_a_response_is_cut_after_its_last_sentence_end_within_its_length() -> None:
+    END = 3  # a token that ends a sentence
+    model = ScriptedModel(
+        [[10, END, 12, END, 14], [20, 21, 22, 23, 24], [END, 31, END, 33, 34], [40, END, EOS, 43, 44]]
+    )
+    queries, lengths = [[5], [6], [7], [8]], [5, 5, 2, 5]
+    ends = torch.tensor([END])
+    r = sample_responses(model, TOKENIZER, queries, lengths, True, torch.device("cpu"), sentence_ends=ends)
+    # the last end within the length; none: the drawn length; one past the length does not count; with
+    # an EOS, the last end before it
+    assert r.response_mask.sum(1).tolist() == [4, 5, 1, 2]
+    assert r.responses.tolist()[0] == [10, END, 12, END, PAD]
+
+
+class _Vocabulary:
+    texts = ["The", " cast", ".", " Wow!", "?\n", " 3.5", "...", " a"]
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def batch_decode(self, ids: list[list[int]]) -> list[str]:
+        return [self.texts[i] for [i] in ids]
+
+
+def test_sentence_end_ids_are_the_tokens_whose_text_ends_a_sentence() -> None:
+    assert sentence_end_ids(_Vocabulary()).tolist() == [2, 3, 4, 6]
 
 
 def test_generation_shorter_than_asked_is_padded_to_the_width() -> None:
