@@ -170,16 +170,16 @@ def sample_responses(
         fill = torch.full((len(queries), r_len - responses.shape[1]), pad, dtype=torch.long, device=device)
         responses = torch.cat([responses, fill], dim=1)
     lengths_t = torch.tensor(lengths, device=device)
+    positions = torch.arange(r_len, device=device)[None]
     if stop_at_eos:
         is_eos = responses == tokenizer.eos_token_id
         first_eos = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, r_len)
         lengths_t = torch.minimum(lengths_t, first_eos)
     if sentence_ends is not None:
-        within = torch.arange(r_len, device=device)[None] < lengths_t[:, None]
-        is_end = torch.isin(responses, sentence_ends.to(device)) & within
+        is_end = torch.isin(responses, sentence_ends.to(device)) & (positions < lengths_t[:, None])
         last_end = r_len - 1 - is_end.flip(1).int().argmax(1)
         lengths_t = torch.where(is_end.any(1), last_end + 1, lengths_t)
-    response_mask = (torch.arange(r_len, device=device)[None] < lengths_t[:, None]).long()
+    response_mask = (positions < lengths_t[:, None]).long()
     responses = torch.where(response_mask.bool(), responses, torch.full_like(responses, pad))
     policy = _policy_outputs(step_logits, hidden, responses, response_mask) if keep_policy else None
     return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, response_mask], 1), response_mask, q_len, policy)

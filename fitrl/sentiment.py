@@ -19,6 +19,7 @@ from fitrl.chat import CHAT_TEMPLATE_HELP, check_chat, is_chat, render_prompt_ch
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_column
 from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
+from fitrl.rollout import sentence_end_ids
 
 
 @dataclass
@@ -78,6 +79,10 @@ class PromptArguments:
     def stops_at_eos(self, chat: bool) -> bool:
         """Whether a response ends at EOS, for prompts that are chats (`chat`) or texts."""
         return chat if self.stop_at_eos is None else self.stop_at_eos
+
+    def sentence_ends(self, tokenizer: Any) -> torch.Tensor | None:
+        """The tokens a response is cut after (`response_end: sentence`; `sample_responses`), else None."""
+        return sentence_end_ids(tokenizer) if self.response_end == "sentence" else None
 
     @property
     def longest_query(self) -> int:

@@ -27,7 +27,7 @@ from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import entrypoint, load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
-from fitrl.rollout import decode, response_logprobs, sample_responses, sentence_end_ids
+from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
     SentimentJudge,
     build_queries,
@@ -121,7 +121,7 @@ def answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args,
     lengths = torch.randint(
         prompt_args.response_min_tokens, prompt_args.response_max_tokens + 1, (len(queries),), generator=gen
     ).tolist()
-    ends = sentence_end_ids(tokenizer) if prompt_args.response_end == "sentence" else None  # as PPO cut them
+    ends = prompt_args.sentence_ends(tokenizer)  # as PPO cut them
     rows = []
     for c in range(0, len(queries), args.batch_size):
         qs, ls = queries[c : c + args.batch_size], lengths[c : c + args.batch_size]

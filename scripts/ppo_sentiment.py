@@ -78,7 +78,6 @@ from fitrl.rollout import (
     decode,
     generation_batch,
     sample_responses,
-    sentence_end_ids,
 )
 from fitrl.sentiment import (
     FunctionReward,
@@ -223,7 +222,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     run.reward_base = reward_base
     run.prompts = queries.summary(prompt_args)
     run.stop_at_eos = prompt_args.stops_at_eos(queries.chat)
-    run.sentence_ends = sentence_end_ids(tokenizer) if prompt_args.response_end == "sentence" else None
+    run.sentence_ends = prompt_args.sentence_ends(tokenizer)
     if accelerator.is_main_process:
         print(f"PPO: {run.prompts}")
     if prompt_args.prompt_shaping == "whole":
