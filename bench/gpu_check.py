@@ -274,8 +274,8 @@ def plan_row(row: Row, on_gpu: bool, is_tiny: bool) -> tuple[Any, Any, Any, dict
     config = tiny(config) if is_tiny else config
     w = stage.memory.workload(configs, config.model_type, on_gpu, 1)
     w = tiny_workload(w) if is_tiny else w
-    demo_cache_dir = config_of(configs, DemoArguments).demo_cache_dir
-    reward = planner.reward_model_bytes(stage.memory.reward_model(configs), demo_cache_dir)
+    demo_assets = config_of(configs, DemoArguments).demo_assets
+    reward = planner.reward_model_bytes(stage.memory.reward_model(configs), demo_assets)
     plan = planner.plan(config, w, model=row.architecture, on_gpu=on_gpu)  # the step; the reward model apart
     out = {
         "row": row.name,

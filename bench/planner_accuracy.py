@@ -103,7 +103,7 @@ def profile(stage: str, device: str) -> None:
     model_args = config_of(configs, ModelArguments)
     if stage_.reads is not None:  # PPO's merged model is a pipeline output; the demo LM has the same architecture
         model_args = dataclasses.replace(model_args, model_name_or_path="demo://lm")
-    cache = config_of(configs, DemoArguments).demo_cache_dir
+    cache = config_of(configs, DemoArguments).demo_assets
     config = architecture(model_args.model_name_or_path, cache)
     w = stage_.memory.workload(configs, config.model_type, False, 1)
     resolved = resolve_model_path(model_args.model_name_or_path, cache)

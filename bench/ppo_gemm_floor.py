@@ -89,10 +89,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import runpy
 
-    from fitrl.demo import DEFAULT_CACHE_DIR
-    from fitrl.demo import build as build_demo
+    from fitrl.demo import SHIPPED as demo
 
-    demo = build_demo(DEFAULT_CACHE_DIR)
     settings = argparse.Namespace(
         steps=4, batch_size=32, mini_batch_size=8, ppo_epochs=4, generation_batch_size=None, query_tokens=6,
         response_tokens=12, seed=0, fitrl_args=[],

@@ -166,10 +166,8 @@ def main() -> None:
     if args.steps < 3:
         sys.exit("error: --steps must be at least 3 (step 1 warms up, step 2 is traced)")
 
-    from fitrl.demo import DEFAULT_CACHE_DIR
-    from fitrl.demo import build as build_demo
+    from fitrl.demo import SHIPPED as demo
 
-    demo = build_demo(DEFAULT_CACHE_DIR)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

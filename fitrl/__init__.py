@@ -8,7 +8,7 @@ Shared code only, one module per concern, leaves first (docs/architecture.md has
 - `ppo`: PPO maths as pure functions;
 - `distributed`, `memory`, `outputs`, `checkpoints`: ranks, memory measurement, staged outputs and
   metrics, where checkpoints live;
-- `demo` (package): the embedded demo corpus and tiny models, built from a seed;
+- `demo` (package): the embedded demo's shipped corpus and tiny models, and the build that made them;
 - `data`, `int8`, `modeling`: datasets; the CPU int8 product; models (bf16 / 8-bit / 4-bit, LoRA);
 - `rollout`: sampling responses for PPO and completions for GSM8K;
 - `sentiment`, `gsm8k`: the PPO and GRPO tasks;

@@ -139,7 +139,7 @@ def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int)
 
 
 def separate_base(
-    adapter_dir: str | Path, model_name: str, model_path: str, demo_cache_dir: str, shared: bool = True
+    adapter_dir: str | Path, model_name: str, model_path: str, demo_assets: str, shared: bool = True
 ) -> str | None:
     """Where an rm adapter is scored: None on the policy's backbone (it was trained on `model_name` and
     `shared`), else the resolved path of the base it was trained on, which it is loaded on by itself.
@@ -153,7 +153,7 @@ def separate_base(
     base = load_run_info(adapter_dir).get("resolved_model_path") or trained_on
     if base is None:
         raise UsageError(f"reward adapter {adapter_dir} records no base model; give the output_dir of an rm run")
-    path = resolve_model_path(base, demo_cache_dir, what="the reward adapter's base")
+    path = resolve_model_path(base, demo_assets, what="the reward adapter's base")
     check_adapter_base(adapter_dir, base, path, "ppo", force=False, producer="rm")
     return path
 

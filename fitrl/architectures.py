@@ -41,14 +41,14 @@ KNOWN_MODELS = {
 }
 
 
-def architecture(name_or_path: str, demo_cache_dir: str | None = None) -> Any:
+def architecture(name_or_path: str, demo_assets: str | None = None) -> Any:
     """The `PretrainedConfig` of a model: a local directory, a demo asset, a shipped config or the hub cache."""
     from transformers import AutoConfig
 
     from fitrl import demo
 
     if demo.is_demo_uri(name_or_path):
-        name_or_path = str(demo.resolve(name_or_path, demo_cache_dir or demo.DEFAULT_CACHE_DIR))
+        name_or_path = str(demo.resolve(name_or_path, demo_assets or ""))
     path = Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         try:

@@ -152,7 +152,7 @@ RESUMABLE_CHANGES = {
     "overwrite_output_dir",
     "resume_from_checkpoint",
     "verify_frozen_base",
-    "demo_cache_dir",
+    "demo_assets",
     "push_to_hub",
     "hub_model_id",
     "hub_private",

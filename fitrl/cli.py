@@ -123,7 +123,7 @@ class StderrFilter:
 
 def run_filtered(command: list[str]) -> int:
     """Run `command` with its stderr through a `StderrFilter`; the stage's own exit code."""
-    with status_file() as (env, status):
+    with status_file(command) as (env, status):
         proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
         passed = StderrFilter()
         for chunk in iter(lambda: proc.stderr.read1(4096), b""):

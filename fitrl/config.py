@@ -303,23 +303,34 @@ def _fail(message: str, code: int) -> typing.NoReturn:
     bars = sys.modules.get("tqdm.std")
     for bar in list(bars.tqdm._instances) if bars else []:
         bar.close()
-    print(f"error: {message}", file=sys.stderr)
-    # `accelerate launch` reports any failing child as exit 1; pipeline.sh reads the real code here.
+    # `accelerate launch` reports any failing child as exit 1; pipeline.sh reads the real code here. The
+    # first failure stands: a rank that refused its config (2) makes the launcher stop the other ranks
+    # (SIGTERM, 143), whose own line would only say so.
     status_file = os.environ.get(STATUS_FILE_ENV)
+    first = True
     if status_file:
         with contextlib.suppress(OSError):
-            Path(status_file).write_text(str(code))
+            first = not Path(status_file).read_text().strip()
+            if first:
+                Path(status_file).write_text(str(code))
+    if first:
+        print(f"error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
-def one_thread_rule() -> int:
-    """The CPU threads of a stage process, one rule however it was launched: `OMP_NUM_THREADS` when
-    set, else 1, which is what `accelerate launch` gives each process unless told otherwise. A direct
-    `python scripts/<stage>.py` would otherwise take every core, and the same config would compute
-    other bits under the pipeline than run by hand."""
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def thread_rule() -> int:
+    """The CPU threads of a stage process, one rule however it was launched: `OMP_NUM_THREADS` when set,
+    else the machine's cores. Every launch path of fitrl sets it to the cores per process
+    (`fitrl.launch.launch_env`), since `accelerate launch` would give each process one thread: a direct
+    `python scripts/<stage>.py` and a launched one take the same count and compute the same bits."""
     import torch
 
-    threads = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or cpu_cores())
     torch.set_num_threads(threads)
     return threads
 
@@ -345,7 +356,7 @@ def entrypoint(main: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(main)
     def wrapper(*args: Any, **kwargs: Any) -> T:
-        one_thread_rule()
+        thread_rule()
         try:
             with signals.terminate_cleanly():
                 result = main(*args, **kwargs)

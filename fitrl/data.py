@@ -39,10 +39,10 @@ def _local_files(path: Path, split: str) -> list[Path]:
     return files
 
 
-def _source_files(source: str, split: str, demo_cache_dir: str) -> list[Path] | None:
+def _source_files(source: str, split: str, demo_assets: str) -> list[Path] | None:
     """The data files of a demo or local `source`, or None for a hub id."""
     if demo.is_demo_uri(source):
-        file = demo.resolve(source, demo_cache_dir) / f"{split}.jsonl"
+        file = demo.resolve(source, demo_assets) / f"{split}.jsonl"
         if not file.is_file():
             raise UsageError(f"demo dataset {source} has no split '{split}'; use train or test")
         return [file]
@@ -80,15 +80,13 @@ def _json_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def load_dataset_any(
-    source: str, split: str = "train", demo_cache_dir: str = demo.DEFAULT_CACHE_DIR, config_name: str | None = None
-) -> Any:
+def load_dataset_any(source: str, split: str = "train", demo_assets: str = "", config_name: str | None = None) -> Any:
     """A `datasets.Dataset` for `source`: 'demo://reviews', a local file or directory, or a hub id."""
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        files = _source_files(source, split, demo_cache_dir)
+        files = _source_files(source, split, demo_assets)
         if files is None:
             return datasets.load_dataset(source, config_name, split=split)
         for p in files:
@@ -140,10 +138,10 @@ def _no_text(source: str, min_chars: int, column: str) -> UsageError:
 
 
 def load_text_dataset(
-    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
+    source: str, split: str, text_column: str, demo_assets: str, max_samples: int | None = None, min_chars: int = 1
 ) -> Any:
     """A dataset with one non-empty `text` column, for causal-LM training or PPO prompts."""
-    return text_rows(load_dataset_any(source, split, demo_cache_dir), source, text_column, max_samples, min_chars)
+    return text_rows(load_dataset_any(source, split, demo_assets), source, text_column, max_samples, min_chars)
 
 
 def text_rows(ds: Any, source: str, text_column: str, max_samples: int | None = None, min_chars: int = 1) -> Any:
@@ -160,14 +158,14 @@ def text_rows(ds: Any, source: str, text_column: str, max_samples: int | None = 
     return ds
 
 
-def load_column(source: str, split: str, column: str, demo_cache_dir: str) -> list[Any]:
+def load_column(source: str, split: str, column: str, demo_assets: str) -> list[Any]:
     """Every row's value in `column` (None where a .jsonl row lacks it). .jsonl files (the demo's too) are
     read here, without importing `datasets` (76 MB of a PPO process's memory and most of a second of its
     start-up)."""
     try:
-        files = _source_files(source, split, demo_cache_dir)
+        files = _source_files(source, split, demo_assets)
         if files is None or any(p.suffix != ".jsonl" for p in files):
-            ds = load_dataset_any(source, split, demo_cache_dir)
+            ds = load_dataset_any(source, split, demo_assets)
             require_columns(ds, [column], source)
             return list(ds[column])
         rows = [row for p in files for row in _json_rows(p)]
@@ -178,10 +176,10 @@ def load_column(source: str, split: str, column: str, demo_cache_dir: str) -> li
 
 
 def load_texts(
-    source: str, split: str, text_column: str, demo_cache_dir: str, max_samples: int | None = None, min_chars: int = 1
+    source: str, split: str, text_column: str, demo_assets: str, max_samples: int | None = None, min_chars: int = 1
 ) -> list[str]:
     """The texts of `text_column` with at least `min_chars` characters, the first `max_samples` of them."""
-    texts = [v for v in load_column(source, split, text_column, demo_cache_dir) if _is_text(v, min_chars)]
+    texts = [v for v in load_column(source, split, text_column, demo_assets) if _is_text(v, min_chars)]
     if not texts:
         raise _no_text(source, min_chars, text_column)
     return texts[:max_samples]

@@ -172,12 +172,15 @@ def models_of(configs: tuple[Any, ...], written: Path) -> list[str]:
     return found
 
 
-def check_model(f: Findings, name: str, demo_cache_dir: str, hub: Callable[[], bool]) -> None:
+def check_model(f: Findings, name: str, demo_assets: str, hub: Callable[[], bool]) -> None:
     from fitrl import demo
 
     if demo.is_demo_uri(name):
-        built = (demo.demo_dir(demo_cache_dir) / demo.MANIFEST).is_file()
-        f.ok(f"{name}: " + ("built" if built else "the demo builds it on first use (a few minutes on a CPU)"))
+        try:
+            demo.manifest(demo_assets)
+            f.ok(f"{name}: the demo's, in {demo.assets_root(demo_assets)}")
+        except UsageError as e:
+            f.error(str(e))
         return
     if Path(name).expanduser().exists():
         if (Path(name).expanduser() / "config.json").is_file():
@@ -203,29 +206,26 @@ def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[
     from fitrl import data, demo, gsm8k, preferences, sentiment
     from fitrl.stages.base import config_of
 
-    demo_cache_dir = config_of(configs, demo.DemoArguments).demo_cache_dir
+    demo_assets = config_of(configs, demo.DemoArguments).demo_assets
     for config in configs:
         source = getattr(config, "dataset", None)
         if not isinstance(source, str) or (source, config.dataset_split) in seen:
             continue
         seen.add((source, config.dataset_split))
         local = demo.is_demo_uri(source) or Path(source).expanduser().exists()
-        if demo.is_demo_uri(source) and not (demo.demo_dir(demo_cache_dir) / demo.MANIFEST).is_file():
-            f.ok(f"{stage.name} data {source}: the demo builds it on first use")
-            continue
         if not local and hub():
             f.ok(f"{stage.name} data {source}: downloads from the hub; its rows are checked when the stage loads it")
             continue
         try:
             if isinstance(config, preferences.PreferenceArguments):
-                rows = len(preferences.load_pairs(config, config.dataset_split, demo_cache_dir, ROWS_CHECKED))
+                rows = len(preferences.load_pairs(config, config.dataset_split, demo_assets, ROWS_CHECKED))
             elif isinstance(config, gsm8k.GSM8KDataArguments):
                 limited = dataclasses.replace(config, max_samples=min(config.max_samples or ROWS_CHECKED, ROWS_CHECKED))
-                rows = len(gsm8k.load_problems(limited, demo_cache_dir)[0])
+                rows = len(gsm8k.load_problems(limited, demo_assets)[0])
             elif isinstance(config, sentiment.PromptArguments):
-                rows = len(sentiment.read_prompts(config, demo_cache_dir, ROWS_CHECKED)[0])
+                rows = len(sentiment.read_prompts(config, demo_assets, ROWS_CHECKED)[0])
             else:  # SFT: a text column
-                rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_cache_dir,
+                rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_assets,
                                            ROWS_CHECKED))  # fmt: skip
         except UsageError as e:
             f.error(f"{stage.name}: {e}")
@@ -272,7 +272,7 @@ def _architecture(configs: tuple[Any, ...], before: list[tuple[Any, tuple[Any, .
         name = _model_name(cfgs)
         if name is None or Path(name).is_relative_to(written):
             continue
-        return architecture(name, config_of(cfgs, DemoArguments).demo_cache_dir)
+        return architecture(name, config_of(cfgs, DemoArguments).demo_assets)
     raise UsageError("no stage of the profile names a model whose architecture can be read")
 
 
@@ -319,7 +319,7 @@ def diagnose(profile: Path, run_dir: Path, gpu_name: str | None = None, out: Any
             for model in models_of(configs, Path(tmp)):
                 if model not in seen_models:
                     seen_models.add(model)
-                    check_model(f, model, config_of(configs, DemoArguments).demo_cache_dir, hub)
+                    check_model(f, model, config_of(configs, DemoArguments).demo_assets, hub)
             check_data(f, stage, configs, hub, seen_data)
             if stage.memory is None and stage.name != "merge":
                 continue

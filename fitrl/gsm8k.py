@@ -44,7 +44,7 @@ class GSM8KDataArguments:
         check(self.max_prompt_length >= 8, "max_prompt_length", ">= 8")
 
 
-def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, list[dict[str, Any]]]:
+def load_problems(args: GSM8KDataArguments, demo_assets: str) -> tuple[Any, list[dict[str, Any]]]:
     """Problems with `question`, `answer` and `gold` columns, and the rows skipped because their gold is not
     a number.
 
@@ -52,7 +52,7 @@ def load_problems(args: GSM8KDataArguments, demo_cache_dir: str) -> tuple[Any, l
     columns, an empty question, or an answer that is neither is a `UsageError`; a gold after `####` that
     does not parse as a number is skipped and reported.
     """
-    ds = load_dataset_any(args.dataset, args.dataset_split, demo_cache_dir, args.dataset_config)
+    ds = load_dataset_any(args.dataset, args.dataset_split, demo_assets, args.dataset_config)
     columns = [args.question_column, args.answer_column]
     require_columns(ds, columns, args.dataset, "set question_column and answer_column to the data's columns")
     if columns != ["question", "answer"]:
@@ -102,11 +102,11 @@ def add_prompts(
     return ds.select(keep), dropped
 
 
-def fewshot_examples(args: GSM8KDataArguments, k: int, seed: int, demo_cache_dir: str) -> list[tuple[str, str]]:
+def fewshot_examples(args: GSM8KDataArguments, k: int, seed: int, demo_assets: str) -> list[tuple[str, str]]:
     """`k` solved problems from the train split (drawn with `seed`), as (question, solution in the format)."""
     if k == 0:
         return []
-    train, _ = load_problems(dataclasses.replace(args, dataset_split="train", max_samples=None), demo_cache_dir)
+    train, _ = load_problems(dataclasses.replace(args, dataset_split="train", max_samples=None), demo_assets)
     if len(train) < k:
         raise UsageError(f"num_fewshot={k} but the train split has {len(train)} problems; lower num_fewshot")
     if not all("####" in str(a) for a in train["answer"]):

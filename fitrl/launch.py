@@ -12,19 +12,47 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fitrl.config import STATUS_FILE_ENV
+from fitrl.config import STATUS_FILE_ENV, cpu_cores
 
 # One process, no mixed precision or compilation unless a config asks: what every profile is sized for.
 DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"
 
 
+def processes(command: list[str]) -> int:
+    """How many processes `command` starts here: its `--num_processes`, else its accelerate `--config_file`'s
+    `num_processes`, else one."""
+    for flag in ("--num_processes", "--config_file"):
+        if flag in command[:-1]:
+            value = command[command.index(flag) + 1]
+            if flag == "--num_processes":
+                return max(1, int(value)) if value.isdigit() else 1
+            import yaml
+
+            try:
+                found = (yaml.safe_load(Path(value).read_text()) or {}).get("num_processes", 1)
+            except (OSError, yaml.YAMLError):
+                return 1
+            return max(1, found) if isinstance(found, int) else 1
+    return 1
+
+
+def launch_env(command: list[str]) -> dict[str, str]:
+    """The environment to launch `command` with: the machine's cores shared among its processes
+    (`OMP_NUM_THREADS`, unless the caller set it), the count a direct run of a stage takes too."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if not env.get("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_cores() // processes(command)))
+    return env
+
+
 @contextmanager
-def status_file() -> Iterator[tuple[dict[str, str], Path]]:
-    """The environment to launch with (the stage records its exit code in a fresh file) and that file."""
+def status_file(command: list[str]) -> Iterator[tuple[dict[str, str], Path]]:
+    """The environment to launch `command` with (`launch_env`; the stage records its exit code in a fresh
+    file) and that file."""
     with tempfile.NamedTemporaryFile("w", delete=False, prefix="fitrl-status-") as f:
         path = Path(f.name)
     try:
-        yield {**os.environ, STATUS_FILE_ENV: str(path), "PYTHONUNBUFFERED": "1"}, path
+        yield {**launch_env(command), STATUS_FILE_ENV: str(path)}, path
     finally:
         path.unlink(missing_ok=True)
 

@@ -92,10 +92,10 @@ class LoraArguments:
         check(0 <= self.lora_dropout < 1, "lora_dropout", "in [0, 1)")
 
 
-def resolve_model_path(name_or_path: str, demo_cache_dir: str, what: str = "model") -> str:
+def resolve_model_path(name_or_path: str, demo_assets: str, what: str = "model") -> str:
     """Turn demo:// URIs into paths, check local paths exist, and pass hub ids through."""
     if demo.is_demo_uri(name_or_path):
-        return str(demo.resolve(name_or_path, demo_cache_dir))
+        return str(demo.resolve(name_or_path, demo_assets))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -231,7 +231,7 @@ def load_causal_lm(
     args: ModelArguments,
     *,
     path: str | None = None,
-    demo_cache_dir: str = demo.DEFAULT_CACHE_DIR,
+    demo_assets: str = "",
     gradient_checkpointing: bool = False,
     for_training: bool = True,
     pad_token_id: int | None = None,
@@ -244,7 +244,7 @@ def load_causal_lm(
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    path = path or resolve_model_path(args.model_name_or_path, demo_cache_dir)
+    path = path or resolve_model_path(args.model_name_or_path, demo_assets)
     dtype = torch_dtype(args.dtype)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": args.trust_remote_code}
     qconfig = quantization_config(args.quantization, dtype, skip=[SCORE_HEAD] if score_head else None)

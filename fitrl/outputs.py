@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fitrl import demo
 from fitrl.config import UsageError
 from fitrl.distributed import process_state
 
@@ -41,13 +42,13 @@ def check_output_dir(
     output_dir: str | Path,
     overwrite: bool,
     inputs: Iterable[str | Path | None] = (),
-    demo_cache_dir: str | None = None,
+    demo_assets: str | None = None,
 ) -> Path:
     """Resolve `output_dir` and check that writing there loses nothing; raise `UsageError` if it would.
 
     Refused: the current directory, one of its parents, the home or root directory; a directory equal
     to, inside or containing one of the stage's `inputs` (a `demo://` input: the demo's whole build in
-    `demo_cache_dir`); a non-empty directory unless `overwrite`, and even then one that holds anything
+    the `demo_assets` folder); a non-empty directory unless `overwrite`, and even then one that holds anything
     fitrl did not write (its `.fitrl-output.json` lists what it wrote).
     """
     final = Path(output_dir).expanduser().absolute()
@@ -59,10 +60,8 @@ def check_output_dir(
     resolved = final.resolve()
     refuse_shared_dir(final, "output directory", "outputs/<stage>")
     for item in inputs:
-        if demo_cache_dir and isinstance(item, str) and item.startswith("demo://"):
-            from fitrl import demo  # imports this module: here, not at the top
-
-            item = demo.demo_dir(demo_cache_dir)  # every demo asset lives under it
+        if demo_assets is not None and isinstance(item, str) and demo.is_demo_uri(item):
+            item = demo.assets_root(demo_assets)  # every demo asset lives under it
         if item is None or not Path(item).expanduser().exists():  # hub ids are not paths
             continue
         source = Path(item).expanduser().resolve()

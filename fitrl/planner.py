@@ -128,7 +128,7 @@ def _static_bytes(config_json: str, w: Workload) -> tuple[tuple[str, int], ...]:
     )
 
 
-def reward_model_bytes(spec: RewardModel | None, demo_cache_dir: str | None = None) -> int:
+def reward_model_bytes(spec: RewardModel | None, demo_assets: str | None = None) -> int:
     """Bytes of the classifier PPO loads beside the policy, as `SentimentReward` loads it: every tensor in
     its dtype, but the linear layers outside its head in 8-bit (a byte a weight, a float scale a row) or
     4-bit NF4 (half a byte, an 8-bit scale per 64 weights and a float per 256 scales)."""
@@ -137,7 +137,7 @@ def reward_model_bytes(spec: RewardModel | None, demo_cache_dir: str | None = No
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    config = architecture(spec.name, demo_cache_dir)
+    config = architecture(spec.name, demo_assets)
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(config)
     width = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
@@ -373,13 +373,13 @@ def plan_stage(
         raise UsageError(f"cannot plan stage {stage.name!r}: it trains nothing; plan a training stage")
     w = replace(stage.memory.workload(configs, config.model_type, on_gpu, world_size), finetuning=finetuning)
     check_workload(w, config)
-    demo_cache_dir = config_of(configs, DemoArguments).demo_cache_dir
+    demo_assets = config_of(configs, DemoArguments).demo_assets
     return plan(
         config,
         w,
         model=config_of(configs, ModelArguments).model_name_or_path,
         gpu_memory_bytes=gpu_memory_bytes,
-        reward_bytes=reward_model_bytes(stage.memory.reward_model(configs), demo_cache_dir),
+        reward_bytes=reward_model_bytes(stage.memory.reward_model(configs), demo_assets),
         on_gpu=on_gpu,
     )
 

@@ -79,10 +79,10 @@ def check_pairs(rows: list[dict[str, Any]], source: str) -> None:
             raise _bad_row(source, i, f"margin {row['margin']!r} is not a number", "give a number or no margin_column")
 
 
-def load_pairs(args: PreferenceArguments, split: str, demo_cache_dir: str, max_samples: int | None) -> Any:
+def load_pairs(args: PreferenceArguments, split: str, demo_assets: str, max_samples: int | None) -> Any:
     """The pairs of `split` as a `datasets.Dataset` with fitrl's column names (prompt, chosen, rejected,
     margin as present), checked, at most `max_samples` of them."""
-    ds = load_dataset_any(args.dataset, split, demo_cache_dir)
+    ds = load_dataset_any(args.dataset, split, demo_assets)
     fix = "name the columns with prompt_column, chosen_column and rejected_column"
     check_columns(ds.column_names, list(args.columns.values()), args.dataset, fix)
     if len(ds) == 0:
@@ -113,11 +113,11 @@ def drop_long_pairs(ds: Any, tokenizer: Any, max_length: int, source: str) -> tu
     return kept, len(ds) - len(kept)
 
 
-def train_and_eval_pairs(args: PreferenceArguments, tokenizer: Any, demo_cache_dir: str) -> tuple[Any, Any, int]:
+def train_and_eval_pairs(args: PreferenceArguments, tokenizer: Any, demo_assets: str) -> tuple[Any, Any, int]:
     """The training and held-out pairs that fit `max_length`, and how many training pairs did not (said once)."""
-    train = load_pairs(args, args.dataset_split, demo_cache_dir, args.max_samples)
+    train = load_pairs(args, args.dataset_split, demo_assets, args.max_samples)
     train, dropped = drop_long_pairs(train, tokenizer, args.max_length, args.dataset)
-    held_out = load_pairs(args, args.eval_split, demo_cache_dir, args.max_eval_samples)
+    held_out = load_pairs(args, args.eval_split, demo_assets, args.max_eval_samples)
     held_out, _ = drop_long_pairs(held_out, tokenizer, args.max_length, args.dataset)
     if dropped:
         print(f"dropped {dropped} of {dropped + len(train)} training pairs longer than max_length ({args.max_length})")
@@ -149,12 +149,12 @@ def pair_inputs(configs: Sequence[Any], checkpoint_prefix: str, what: str) -> Pa
     model_args, data_args = config_of(configs, ModelArguments), config_of(configs, PreferenceArguments)
     demo_args, args = config_of(configs, DemoArguments), config_of(configs, TrainerSettings)
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, checkpoint_prefix, what, config_dict(*configs)
     )
     existed = checkpoint_root(args.output_dir).exists()
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    train, held_out, dropped = train_and_eval_pairs(data_args, tokenizer, demo_args.demo_cache_dir)
+    train, held_out, dropped = train_and_eval_pairs(data_args, tokenizer, demo_args.demo_assets)
     return PairInputs(model_path, tokenizer, train, held_out, dropped, str(resume) if resume else None, existed)

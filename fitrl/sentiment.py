@@ -161,7 +161,7 @@ def check_reward_label(reward_path: str, positive_label: str, reward_kind: str =
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
 
 
-def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_cache_dir: str) -> str | None:
+def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_assets: str) -> str | None:
     """The reward, checked before any model loads: a trained classifier with the positive label, an rm
     stage's adapter whose base can be loaded (the policy's own, or another), or a function that imports.
     Returns the base an rm adapter is loaded on by itself (`separate_base`), else None."""
@@ -169,23 +169,23 @@ def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_c
         FunctionReward(args)
         return None
     if not args.reward_adapter:
-        reward_path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
+        reward_path = resolve_model_path(args.reward_model, demo_assets, what="reward model")
         check_reward_label(reward_path, args.positive_label, args.reward_kind)
         return None
     from fitrl.adapter_reward import separate_base
 
     if not Path(args.reward_adapter).expanduser().is_dir():
         raise UsageError(f"reward_adapter {args.reward_adapter} does not exist; give the output_dir of an rm run")
-    return separate_base(args.reward_adapter, model_name, model_path, demo_cache_dir, args.reward_adapter_shared)
+    return separate_base(args.reward_adapter, model_name, model_path, demo_assets, args.reward_adapter_shared)
 
 
 class SentimentReward:
     """Scores texts with a sequence classifier, which may use another tokenizer than the policy."""
 
-    def __init__(self, args: RewardArguments, demo_cache_dir: str, device: torch.device):
+    def __init__(self, args: RewardArguments, demo_assets: str, device: torch.device):
         from transformers import AutoTokenizer
 
-        path = resolve_model_path(args.reward_model, demo_cache_dir, what="reward model")
+        path = resolve_model_path(args.reward_model, demo_assets, what="reward model")
         check_reward_label(path, args.positive_label, args.reward_kind)
         model, loading = load_classifier(path, args.reward_dtype, args.reward_quantization)
         if loading["missing_keys"]:
@@ -251,18 +251,18 @@ class FunctionReward:
         return scores, scores > 0
 
 
-def load_reward(args: RewardArguments, demo_cache_dir: str, device: torch.device) -> SentimentReward | FunctionReward:
+def load_reward(args: RewardArguments, demo_assets: str, device: torch.device) -> SentimentReward | FunctionReward:
     """The reward that is not an rm adapter (`fitrl.adapter_reward` reads that one on the policy's backbone)."""
-    return FunctionReward(args) if args.reward_function else SentimentReward(args, demo_cache_dir, device)
+    return FunctionReward(args) if args.reward_function else SentimentReward(args, demo_assets, device)
 
 
 LEXICON_JUDGE = "demo://lexicon"
 
 
-def check_judge(judge_model: str, positive_label: str, demo_cache_dir: str) -> None:
+def check_judge(judge_model: str, positive_label: str, demo_assets: str) -> None:
     """Before any model loads: a judge is the demo's lexicon or a trained classifier with that label."""
     if judge_model != LEXICON_JUDGE:
-        check_reward_label(resolve_model_path(judge_model, demo_cache_dir, "judge model"), positive_label)
+        check_reward_label(resolve_model_path(judge_model, demo_assets, "judge model"), positive_label)
 
 
 class SentimentJudge:
@@ -274,12 +274,12 @@ class SentimentJudge:
     reward that rises while the judge does not follow.
     """
 
-    def __init__(self, judge_model: str, positive_label: str, demo_cache_dir: str, device: torch.device):
+    def __init__(self, judge_model: str, positive_label: str, demo_assets: str, device: torch.device):
         self.name = judge_model
         self.classifier = None
         if judge_model != LEXICON_JUDGE:
             args = RewardArguments(reward_model=judge_model, positive_label=positive_label, reward_batch_size=16)
-            self.classifier = SentimentReward(args, demo_cache_dir, device)
+            self.classifier = SentimentReward(args, demo_assets, device)
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
         if self.classifier is None:
@@ -289,9 +289,9 @@ class SentimentJudge:
         return self.classifier.classify(texts)[1].float() * 2 - 1
 
 
-def prompt_texts(args: PromptArguments, split: str, demo_cache_dir: str) -> list[str]:
+def prompt_texts(args: PromptArguments, split: str, demo_assets: str) -> list[str]:
     """The text of every prompt row of `split`: a chat's messages joined, blank rows left out."""
-    values, chat = read_prompts(dataclasses.replace(args, dataset_split=split), demo_cache_dir)
+    values, chat = read_prompts(dataclasses.replace(args, dataset_split=split), demo_assets)
     texts = ["\n".join(m["content"] for m in v) if chat else v for v in values if v]
     return [t for t in texts if isinstance(t, str) and t.strip()]
 
@@ -354,9 +354,9 @@ class Queries:
         return "; ".join(parts)
 
 
-def read_prompts(args: PromptArguments, demo_cache_dir: str, rows: int | None = None) -> tuple[list[Any], bool]:
+def read_prompts(args: PromptArguments, demo_assets: str, rows: int | None = None) -> tuple[list[Any], bool]:
     """The prompt column's values (the first `rows`), and whether they are chats, each checked."""
-    values = load_column(args.dataset, args.dataset_split, args.text_column, demo_cache_dir)[:rows]
+    values = load_column(args.dataset, args.dataset_split, args.text_column, demo_assets)[:rows]
     chat = any(is_chat(v) for v in values)
     if chat and args.prompt_shaping == "prefix":
         raise UsageError(
@@ -368,10 +368,10 @@ def read_prompts(args: PromptArguments, demo_cache_dir: str, rows: int | None = 
     return values, chat
 
 
-def build_queries(tokenizer: Any, args: PromptArguments, demo_cache_dir: str, seed: int) -> Queries:
+def build_queries(tokenizer: Any, args: PromptArguments, demo_assets: str, seed: int) -> Queries:
     """Token ids of each query: a whole prompt (a chat rendered up to the assistant's turn), or the first n
     tokens of a text with n drawn per text (`prompt_shaping: prefix`)."""
-    values, chat = read_prompts(args, demo_cache_dir)
+    values, chat = read_prompts(args, demo_assets)
     plain_template = chat and use_chat_template(tokenizer, args.chat_template)
     rng = random.Random(seed)
     queries = Queries([], len(values), 0, 0, 0, chat, plain_template)

@@ -66,17 +66,17 @@ class Inputs:
 
 def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inputs:
     inputs = [args.adapter, model_args.model_name_or_path, data_args.dataset]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     adapter = check_adapter(args.adapter)
     reward_funcs = reward_functions(args.reward_funcs)
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
         check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, STAGE.reads[1])
-    problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
+    problems, skipped = load_problems(data_args, demo_args.demo_assets)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
     ensure_chat_template(tokenizer)
-    examples = fewshot_examples(data_args, args.num_fewshot, args.fewshot_seed, demo_args.demo_cache_dir)
+    examples = fewshot_examples(data_args, args.num_fewshot, args.fewshot_seed, demo_args.demo_assets)
     dataset, n_too_long = add_prompts(
         problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length, examples
     )

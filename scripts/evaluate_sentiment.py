@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
     adapter_dir, model_path, reward_base = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    built = build_queries(tokenizer, prompt_args, demo_args.demo_cache_dir, args.seed)
+    built = build_queries(tokenizer, prompt_args, demo_args.demo_assets, args.seed)
     queries = built.ids[: args.n_prompts]
     stop_at_eos = prompt_args.stops_at_eos(built.chat)  # as PPO resolved it (its setting stays as given)
 
@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     elif reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
         reward = AdapterReward(policy, reward_args.reward_adapter, tokenizer, reward_args.reward_batch_size)
     else:
-        reward = load_reward(reward_args, demo_args.demo_cache_dir, device)
+        reward = load_reward(reward_args, demo_args.demo_assets, device)
     judge = None
     if args.judge_model:
-        judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir, device)
-    vocabulary = corpus_vocabulary(prompt_texts(prompt_args, "train", demo_args.demo_cache_dir))
+        judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_assets, device)
+    vocabulary = corpus_vocabulary(prompt_texts(prompt_args, "train", demo_args.demo_assets))
 
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
         rows = answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args, reward, judge, device)
@@ -102,16 +102,16 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     Returns the adapter, the resolved model, and the base a reward adapter is loaded on by itself."""
     reward = reward_args.reward_adapter or reward_args.reward_model
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward, prompt_args.dataset]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     adapter_dir = Path(args.adapter_dir).expanduser()
     check_adapter_files(adapter_dir, "policy")
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
     producer = made_by if made_by in POLICY_STAGES else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
-    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_cache_dir)
+    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_assets)
     if args.judge_model:
-        check_judge(args.judge_model, args.judge_positive_label, demo_args.demo_cache_dir)
+        check_judge(args.judge_model, args.judge_positive_label, demo_args.demo_assets)
     return adapter_dir, model_path, reward_base
 
 

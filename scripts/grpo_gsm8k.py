@@ -121,15 +121,15 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     """Every input checked before the model loads (a typo should cost a second); the problems as prompts."""
     model_args, lora_args, data_args, args, demo_args = configs
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "GRPO", config_dict(*configs)
     )
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     health = Health(strict=args.strict_guards)
     reward_funcs = reward_functions(args.reward_funcs, observe=lambda ids, log: log_repetition(ids, log, health))
-    problems, skipped = load_problems(data_args, demo_args.demo_cache_dir)
+    problems, skipped = load_problems(data_args, demo_args.demo_assets)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code, padding_side="left")
     plain_template = ensure_chat_template(tokenizer)
     dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
@@ -270,7 +270,7 @@ def heldout_problems(run: Run) -> Any:
         data_args, dataset_split=args.guard_heldout_split, max_samples=args.guard_heldout_problems
     )
     try:
-        problems, _ = load_problems(heldout, run.demo_args.demo_cache_dir)
+        problems, _ = load_problems(heldout, run.demo_args.demo_assets)
     except UsageError as e:
         raise UsageError(f"{e}; set guard_heldout_split to a held-out split, or guard_heldout_every 0") from None
     dataset, _ = add_prompts(problems, run.tokenizer, data_args.system_prompt, data_args.max_prompt_length)

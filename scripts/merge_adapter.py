@@ -64,7 +64,7 @@ class Inputs:
 def preflight(args: Any, demo_args: Any) -> Inputs:
     """The adapter and the base it was trained on (its run_config.yaml says which, unless named)."""
     check_output_dir(
-        args.output_dir, args.overwrite_output_dir, [args.adapter_dir, args.base_model], demo_args.demo_cache_dir
+        args.output_dir, args.overwrite_output_dir, [args.adapter_dir, args.base_model], demo_args.demo_assets
     )
     adapter_dir = Path(args.adapter_dir).expanduser()
     if not adapter_dir.is_dir():
@@ -72,7 +72,7 @@ def preflight(args: Any, demo_args: Any) -> Inputs:
     adapter_config, adapter_weights = read_adapter(adapter_dir)
     sft_config = load_run_config(adapter_dir)
     base_name = args.base_model or sft_config.get("model_name_or_path") or adapter_config["base_model_name_or_path"]
-    base = resolve_model_path(base_name, demo_args.demo_cache_dir, what="base model")
+    base = resolve_model_path(base_name, demo_args.demo_assets, what="base model")
     check_output_dir(args.output_dir, args.overwrite_output_dir, [base])
     # An adapter saved from a model built in memory records no base: then there is nothing to compare.
     check_adapter_base(

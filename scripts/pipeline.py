@@ -45,7 +45,7 @@ NOT_RESULTS = {
     "output_dir",
     "overwrite_output_dir",
     "resume_from_checkpoint",
-    "demo_cache_dir",
+    "demo_assets",
     "report_to",
     "strict_guards",
 }
@@ -236,7 +236,7 @@ def print_plan(stage: Stage, configs: tuple[Any, ...]) -> bool:
     on_gpu = torch.cuda.is_available()
     try:
         model = config_of(configs, ModelArguments).model_name_or_path
-        config = architecture(model, config_of(configs, DemoArguments).demo_cache_dir)
+        config = architecture(model, config_of(configs, DemoArguments).demo_assets)
         gpu = torch.cuda.get_device_properties(0).total_memory if on_gpu else 24 * planner.GiB
         result = planner.plan_stage(stage, configs, config, gpu_memory_bytes=gpu)
     except Exception as e:  # the plan informs, the stage decides: a model without a config runs unplanned
@@ -255,7 +255,7 @@ def run_logged(cmd: list[str], log: Path) -> int:
     """Run `cmd` with its whole output in `log`; on a terminal, show its progress bar on one line."""
     log.parent.mkdir(parents=True, exist_ok=True)
     show = sys.stderr.isatty()
-    with status_file() as (env, status), log.open("wb") as sink:
+    with status_file(cmd) as (env, status), log.open("wb") as sink:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             for chunk in iter(lambda: proc.stdout.read1(4096), b""):

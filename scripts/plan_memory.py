@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     stage = stages.get(stage_of(args, rest))
     configs = stage.parse(rest)
     model = args.architecture or config_of(configs, ModelArguments).model_name_or_path
-    config = architecture(model, config_of(configs, DemoArguments).demo_cache_dir)
+    config = architecture(model, config_of(configs, DemoArguments).demo_assets)
     gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb, args.gpu, args.reserve_gb)
     if args.world_size < 1:
         raise UsageError(f"invalid value for '--world_size': must be >= 1 (got {args.world_size})")

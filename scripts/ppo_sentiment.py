@@ -184,11 +184,11 @@ def stopped(reason: str, step: int, args: PPOArguments) -> Exception:
 def preflight(configs: tuple[Any, ...]) -> Run:
     """Everything a user can get wrong, checked before the backbone loads."""
     model_args, lora_args, prompt_args, reward_args, args, demo_args = configs
-    cache = demo_args.demo_cache_dir
+    cache = demo_args.demo_assets
     reward = reward_args.reward_adapter or reward_args.reward_model
     inputs = [model_args.model_name_or_path, prompt_args.dataset, args.resume_from_checkpoint]
     inputs += [] if reward_args.reward_function else [reward]
-    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_cache_dir)
+    check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "PPO", config_dict(*configs)
     )
@@ -246,7 +246,7 @@ def build(run: Run) -> None:
             print(f"PPO: reward adapter {reward_args.reward_adapter} loaded on its own copy of {run.reward_base}, "
                   f"{tensor_bytes(reward_tensors(run.reward)) / 2**20:.1f} MiB beside the policy")  # fmt: skip
     elif not reward_args.reward_adapter:
-        run.reward = load_reward(reward_args, run.demo_args.demo_cache_dir, run.device)
+        run.reward = load_reward(reward_args, run.demo_args.demo_assets, run.device)
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,
@@ -262,7 +262,7 @@ def build(run: Run) -> None:
         )
     if run.judge_queries:
         run.judge = SentimentJudge(
-            args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_cache_dir, run.device
+            args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_assets, run.device
         )
     run.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     run.frozen_digest = tensor_digest(run.frozen) if args.verify_frozen_base else None
@@ -364,12 +364,12 @@ def judge_queries(run: Run) -> list[list[int]]:
     if Path(prompt_args.dataset).expanduser().is_file():  # one file is one split: nothing held out
         run.health.passed("reward_hacking", "not run: one prompt file has no held-out split (give a directory)")
         return []
-    check_judge(args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_cache_dir)
+    check_judge(args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_assets)
     heldout = dataclasses.replace(
         prompt_args, dataset_split=args.guard_judge_split, max_prompts=args.guard_judge_prompts
     )
     try:
-        return build_queries(run.tokenizer, heldout, run.demo_args.demo_cache_dir, args.seed).ids
+        return build_queries(run.tokenizer, heldout, run.demo_args.demo_assets, args.seed).ids
     except UsageError as e:
         raise UsageError(f"{e}; set guard_judge_split to a held-out split, or leave guard_judge_model empty") from None
 

@@ -75,24 +75,24 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         args.output_dir,
         args.overwrite_output_dir,
         [model_args.model_name_or_path, args.dataset, args.resume_from_checkpoint],
-        demo_args.demo_cache_dir,
+        demo_args.demo_assets,
     )
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "SFT", config_dict(*configs)
     )
     checkpoints_existed = checkpoint_root(args.output_dir).exists()
-    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_cache_dir)
-    dataset, chats = examples(args, demo_args.demo_cache_dir)
+    model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
+    dataset, chats = examples(args, demo_args.demo_assets)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
     if chats and use_chat_template(tokenizer, args.chat_template) and process_state().is_main_process:
         print("SFT: the tokenizer has no chat template: the plain Question/Answer one renders the chats")
     return Run(*configs, model_path, dataset, tokenizer, str(resume) if resume else None, checkpoints_existed)
 
 
-def examples(args: SFTArguments, demo_cache_dir: str) -> tuple[Any, bool]:
+def examples(args: SFTArguments, demo_assets: str) -> tuple[Any, bool]:
     """The training examples, and whether they are chats: a `text` column, or a `messages` column of chats
     (each row checked) that trl renders with the chat template."""
-    ds = load_dataset_any(args.dataset, args.dataset_split, demo_cache_dir)
+    ds = load_dataset_any(args.dataset, args.dataset_split, demo_assets)
     require_columns(ds, [args.text_column], args.dataset)
     values = ds[args.text_column]
     if not any(is_chat(v) for v in values):

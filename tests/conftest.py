@@ -27,29 +27,11 @@ CONFIGS = ROOT / "configs"
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
-    """The demo assets, built once per test session into a fresh directory.
-
-    Under pytest-xdist every worker asks for them: the directory is the session's, shared by the
-    workers, and `demo.build`'s file lock lets one build while the others wait and reuse.
-    `FITRL_TEST_DEMO_CACHE=~/.cache/fitrl/demo` reuses a built cache instead, when iterating on a few
-    tests; CI leaves it unset, so every CI run builds the demo from its seed.
-    """
+def demo_assets() -> Path:
+    """The demo assets shipped inside fitrl (`fitrl/demo/assets`): every test reads them, none writes there."""
     from fitrl import demo
 
-    base = tmp_path_factory.getbasetemp()
-    cache = (base if worker_id == "master" else base.parent) / "demo-cache"
-    if os.environ.get("FITRL_TEST_DEMO_CACHE"):
-        cache = Path(os.environ["FITRL_TEST_DEMO_CACHE"]).expanduser()
-    demo.build(cache)
-    return cache
-
-
-@pytest.fixture(scope="session")
-def demo_root(demo_cache: Path) -> Path:
-    from fitrl import demo
-
-    return demo.demo_dir(demo_cache)
+    return demo.SHIPPED
 
 
 def run_main(script: str, *args: str | Path) -> int:
@@ -156,7 +138,7 @@ def assert_memory_planned_and_measured(info: dict) -> None:
 
 def demo_project(
     root: Path,
-    demo_cache: Path,
+    demo_assets: Path,
     profile: str,
     overrides: dict[str, dict] | None = None,
     stages: list[str] | None = None,
@@ -176,7 +158,7 @@ def demo_project(
         if stages is not None and config.stem not in stages:
             continue
         values = yaml.safe_load(config.read_text())
-        values.update((overrides or {}).get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        values.update((overrides or {}).get(config.stem, {}), demo_assets=str(demo_assets))
         (configs / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
     return root
 

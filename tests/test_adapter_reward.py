@@ -27,20 +27,20 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def reward_model(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+def reward_model(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> Path:
     """A reward model trained for two steps on the demo LM, PPO's test base."""
     out = tmp_path_factory.mktemp("rm") / "rm"
     result = run_script(
         "train_reward.py",
-        *("--config", CONFIGS / "demo" / "rm.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out),
+        *("--config", CONFIGS / "demo" / "rm.yaml", "--demo_assets", demo_assets, "--output_dir", out),
         *("--model_name_or_path", "demo://lm", "--max_steps", "2", "--max_eval_samples", "8"),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
 
-def _policy(demo_root: Path) -> tuple:
-    args = ModelArguments(str(demo_root / "lm"), quantization="8bit", dtype="float32")
+def _policy(demo_assets: Path) -> tuple:
+    args = ModelArguments(str(demo_assets / "lm"), quantization="8bit", dtype="float32")
     tokenizer = load_tokenizer(args.model_name_or_path)
     model = load_causal_lm(args, path=args.model_name_or_path, pad_token_id=tokenizer.pad_token_id)
     policy = add_lora(model, LoraArguments(lora_r=8, lora_dropout=0.0, lora_target_modules=["all-linear"]))
@@ -54,11 +54,11 @@ def _policy(demo_root: Path) -> tuple:
 
 @pytest.mark.slow
 def test_scoring_on_the_shared_backbone_equals_the_reward_model_and_leaves_the_policy_bit_for_bit(
-    reward_model: Path, demo_root: Path
+    reward_model: Path, demo_assets: Path
 ) -> None:
     from peft import PeftModel
 
-    policy, tokenizer = _policy(demo_root)
+    policy, tokenizer = _policy(demo_assets)
     enc = tokenizer(TEXTS, padding=True, return_tensors="pt")
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_scoring_on_the_shared_backbone_equals_the_reward_model_and_leaves_the_p
     assert torch.equal(positive, shared > 0)
 
     # The same texts through the reward model alone: its 8-bit base with a score head, and its adapter.
-    args = ModelArguments(str(demo_root / "lm"), quantization="8bit", dtype="float32")
+    args = ModelArguments(str(demo_assets / "lm"), quantization="8bit", dtype="float32")
     alone = load_causal_lm(args, path=args.model_name_or_path, pad_token_id=tokenizer.pad_token_id, score_head=True)
     alone = PeftModel.from_pretrained(alone, reward_model).eval()
     batch = tokenizer([t + tokenizer.eos_token for t in TEXTS], padding=True, return_tensors="pt")
@@ -82,16 +82,16 @@ def test_scoring_on_the_shared_backbone_equals_the_reward_model_and_leaves_the_p
     assert shared.std() > 0  # the texts differ, so do their rewards
     # loaded on its own copy of its base, as a reward model of another base than the policy's is
     rm = RewardArguments(reward_adapter=str(reward_model), reward_quantization="8bit", reward_batch_size=2)
-    separate, _ = SeparateAdapterReward(str(demo_root / "lm"), rm, torch.device("cpu")).classify(TEXTS)
+    separate, _ = SeparateAdapterReward(str(demo_assets / "lm"), rm, torch.device("cpu")).classify(TEXTS)
     assert torch.allclose(separate, expected, atol=1e-4), (separate, expected)
 
 
 @pytest.mark.slow
 def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
-    reward_model: Path, tmp_path: Path, demo_cache: Path
+    reward_model: Path, tmp_path: Path, demo_assets: Path
 ) -> None:
     out = tmp_path / "ppo"
-    common = ["--demo_cache_dir", demo_cache, "--reward_adapter", reward_model]
+    common = ["--demo_assets", demo_assets, "--reward_adapter", reward_model]
     result = run_script(
         "ppo_sentiment.py",
         *("--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://lm", "--output_dir", out),
@@ -104,7 +104,7 @@ def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
     evaluation = run_script(
         "evaluate_sentiment.py",
         *("--config", CONFIGS / "demo" / "eval.yaml", "--adapter_dir", out, "--output_dir", tmp_path / "eval"),
-        *("--n_prompts", "8", "--demo_cache_dir", demo_cache),
+        *("--n_prompts", "8", "--demo_assets", demo_assets),
     )
     assert evaluation.returncode == 0, evaluation.stderr[-3000:]
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
@@ -115,14 +115,14 @@ def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
 
 @pytest.mark.slow
 def test_a_reward_model_of_another_base_is_loaded_beside_the_policy_and_planned(
-    reward_model: Path, tmp_path: Path, demo_cache: Path
+    reward_model: Path, tmp_path: Path, demo_assets: Path
 ) -> None:
     """The rm adapter was trained on the demo LM; PPO's policy here is the demo reasoner."""
     out = tmp_path / "ppo"
     result = run_script(
         "ppo_sentiment.py",
         *("--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://reasoner"),
-        *("--output_dir", out, "--demo_cache_dir", demo_cache, "--reward_adapter", reward_model),
+        *("--output_dir", out, "--demo_assets", demo_assets, "--reward_adapter", reward_model),
         *("--steps", "2", "--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8"),
         *("--guard_judge_model", ""),
     )
@@ -138,7 +138,7 @@ def test_a_reward_model_of_another_base_is_loaded_beside_the_policy_and_planned(
 
 @pytest.mark.slow
 def test_the_planner_counts_a_reward_adapter_only_when_it_has_a_base_of_its_own(
-    reward_model: Path, demo_cache: Path
+    reward_model: Path, demo_assets: Path
 ) -> None:
     from fitrl import planner
     from fitrl.stages import get
@@ -147,7 +147,7 @@ def test_the_planner_counts_a_reward_adapter_only_when_it_has_a_base_of_its_own(
     def spec(model: str, *extra: str):
         return reward_spec(get("ppo").parse(["--config", str(CONFIGS / "demo" / "ppo.yaml"), "--model_name_or_path",
                                              model, "--reward_adapter", str(reward_model),
-                                             "--demo_cache_dir", str(demo_cache), *extra]))  # fmt: skip
+                                             "--demo_assets", str(demo_assets), *extra]))  # fmt: skip
 
     assert spec("demo://lm") is None  # its LoRA rides on the policy's backbone: nothing more to plan
     separate = spec("demo://reasoner")

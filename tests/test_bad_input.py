@@ -27,17 +27,17 @@ def _fails(capsys: pytest.CaptureFixture, script: str, *args: str | Path) -> str
     return errors[0]
 
 
-def _sft(capsys: pytest.CaptureFixture, tmp_path: Path, demo_cache: Path, *extra: str | Path) -> str:
+def _sft(capsys: pytest.CaptureFixture, tmp_path: Path, demo_assets: Path, *extra: str | Path) -> str:
     out = tmp_path / "out"
-    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
+    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--output_dir", out, "--max_steps", "1", *extra)  # fmt: skip
     assert not out.exists() and not (tmp_path / ".out.partial").exists()
     return line
 
 
-def _model_copy(demo_root: Path, tmp_path: Path, name: str = "lm") -> Path:
+def _model_copy(demo_assets: Path, tmp_path: Path, name: str = "lm") -> Path:
     copy = tmp_path / f"my-{name}"
-    shutil.copytree(demo_root / name, copy)
+    shutil.copytree(demo_assets / name, copy)
     return copy
 
 
@@ -45,16 +45,16 @@ def _model_copy(demo_root: Path, tmp_path: Path, name: str = "lm") -> Path:
 
 
 def test_a_model_that_needs_its_own_code_is_refused_without_running_it(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    model = _model_copy(demo_root, tmp_path)
+    model = _model_copy(demo_assets, tmp_path)
     config = json.loads((model / "config.json").read_text())
     config.update(model_type="my_custom", architectures=["MyCustomForCausalLM"])
     config["auto_map"] = {"AutoConfig": "custom.MyConfig", "AutoModelForCausalLM": "custom.MyModel"}
     (model / "config.json").write_text(json.dumps(config))
     marker = tmp_path / "custom-code-ran"
     (model / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    line = _sft(capsys, tmp_path, demo_cache, "--model_name_or_path", model)
+    line = _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
     assert "cannot load a tokenizer" in line or "needs its own Python code" in line, line
     plan = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
     assert "cannot plan for model" in plan and "config.json cannot be read" in plan
@@ -70,26 +70,26 @@ def test_a_model_that_needs_its_own_code_is_refused_without_running_it(
     ],
 )
 def test_a_model_folder_that_cannot_load_is_one_line(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture, damage: str, message: str
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture, damage: str, message: str
 ) -> None:
     marker = tmp_path / "payload-ran"
-    model = _model_copy(demo_root, tmp_path, "classifier" if damage == "a classifier" else "lm")
+    model = _model_copy(demo_assets, tmp_path, "classifier" if damage == "a classifier" else "lm")
     weights = model / "model.safetensors"
     if damage == "crafted .bin":
         weights.unlink()
         (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(marker)))
     elif damage == "truncated weights":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    assert message in _sft(capsys, tmp_path, demo_cache, "--model_name_or_path", model)
+    assert message in _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
     assert not marker.exists()
 
 
 def test_a_malformed_config_json_is_one_line_for_the_stage_and_the_planner(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    model = _model_copy(demo_root, tmp_path)
+    model = _model_copy(demo_assets, tmp_path)
     (model / "config.json").write_text('{"model_type": "gpt_neox", ')
-    assert "not a valid JSON file" in _sft(capsys, tmp_path, demo_cache, "--model_name_or_path", model)
+    assert "not a valid JSON file" in _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
     plan = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
     assert "config.json cannot be read" in plan
 
@@ -98,29 +98,29 @@ def test_a_malformed_config_json_is_one_line_for_the_stage_and_the_planner(
 
 
 def test_a_jsonl_row_that_is_not_utf8_names_its_line(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     data = tmp_path / "reviews.jsonl"
     data.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 ' + b"a good film " * 30 + b'"}\n')
-    line = _sft(capsys, tmp_path, demo_cache, "--dataset", data)
+    line = _sft(capsys, tmp_path, demo_assets, "--dataset", data)
     assert "line 2 is not UTF-8 text (byte 0xe9" in line and "save the file as UTF-8" in line
 
 
 def test_an_sft_chat_row_that_is_no_chat_names_its_row(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     data = tmp_path / "chats.jsonl"
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     data.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": [{"content": "Hi"}]}) + "\n")
-    line = _sft(capsys, tmp_path, demo_cache, "--dataset", data, "--text_column", "messages")
+    line = _sft(capsys, tmp_path, demo_assets, "--dataset", data, "--text_column", "messages")
     assert "row 2 of column 'messages' is not a chat" in line
 
 
 def test_an_output_name_longer_than_a_file_name_can_be(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / ("x" * 250)
-    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
+    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--output_dir", out)  # fmt: skip
     assert "is 250 bytes long" in line and "shorten it" in line
     assert list(tmp_path.iterdir()) == []
@@ -128,9 +128,9 @@ def test_an_output_name_longer_than_a_file_name_can_be(
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_a_tracker_whose_package_is_missing_is_refused_before_loading(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    line = _sft(capsys, tmp_path, demo_cache, "--report_to", "wandb")
+    line = _sft(capsys, tmp_path, demo_assets, "--report_to", "wandb")
     assert "report_to wandb needs the wandb package" in line
 
 
@@ -138,13 +138,13 @@ def test_a_tracker_whose_package_is_missing_is_refused_before_loading(
 
 
 @pytest.fixture
-def adapter(tmp_path: Path, demo_root: Path) -> Path:
+def adapter(tmp_path: Path, demo_assets: Path) -> Path:
     """A real LoRA adapter on the demo LM, written as the SFT stage writes it."""
     import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(demo_root / "lm")
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "lm")
     directory = tmp_path / "sft"
     get_peft_model(model, LoraConfig(r=2, target_modules=["query_key_value"])).save_pretrained(directory)
     (directory / "run_config.yaml").write_text(yaml.safe_dump({"model_name_or_path": "demo://lm"}))
@@ -152,10 +152,10 @@ def adapter(tmp_path: Path, demo_root: Path) -> Path:
     return directory
 
 
-def _merge(capsys: pytest.CaptureFixture, adapter: Path, demo_cache: Path) -> str:
+def _merge(capsys: pytest.CaptureFixture, adapter: Path, demo_assets: Path) -> str:
     out = adapter.parent / "merged"
-    line = _fails(capsys, "merge_adapter.py", "--config", CONFIGS / "demo" / "merge.yaml", "--demo_cache_dir",
-                  demo_cache, "--adapter_dir", adapter, "--output_dir", out)  # fmt: skip
+    line = _fails(capsys, "merge_adapter.py", "--config", CONFIGS / "demo" / "merge.yaml", "--demo_assets",
+                  demo_assets, "--adapter_dir", adapter, "--output_dir", out)  # fmt: skip
     assert not out.exists()
     return line
 
@@ -170,16 +170,16 @@ def _merge(capsys: pytest.CaptureFixture, adapter: Path, demo_cache: Path) -> st
     ],
 )
 def test_a_damaged_file_of_the_previous_stage_is_one_line(
-    adapter: Path, demo_cache: Path, capsys: pytest.CaptureFixture, name: str, text: str, message: str
+    adapter: Path, demo_assets: Path, capsys: pytest.CaptureFixture, name: str, text: str, message: str
 ) -> None:
     (adapter / name).write_text(text)
-    line = _merge(capsys, adapter, demo_cache)
+    line = _merge(capsys, adapter, demo_assets)
     assert message in line and name in line
 
 
 @pytest.mark.parametrize("damage", ["no weights", "truncated weights", "crafted .bin"])
 def test_an_adapter_whose_weights_cannot_load_is_one_line_before_the_model_loads(
-    adapter: Path, demo_cache: Path, capsys: pytest.CaptureFixture, damage: str
+    adapter: Path, demo_assets: Path, capsys: pytest.CaptureFixture, damage: str
 ) -> None:
     weights, marker = adapter / "adapter_model.safetensors", adapter.parent / "payload-ran"
     if damage == "truncated weights":
@@ -190,7 +190,7 @@ def test_an_adapter_whose_weights_cannot_load_is_one_line_before_the_model_loads
         (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Payload(marker)))
     (adapter / "run_info.json").write_text(json.dumps({"stage": "grpo"}))  # as the GSM8K evaluation wants
     out = adapter.parent / "eval"
-    args = ["--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]
+    args = ["--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_assets", demo_assets, "--output_dir", out]
     line = _fails(capsys, "evaluate_gsm8k.py", *args, "--model_name_or_path", "demo://lm", "--adapter", adapter)
     expected = {"no weights": "has no adapter_model.safetensors", "truncated weights": "damaged"}
     assert expected.get(damage, "holds objects other than tensors") in line, line
@@ -224,15 +224,17 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_the_planner_refuses_a_gpu_size_that_is_no_number(
-    value: str, demo_cache: Path, capsys: pytest.CaptureFixture
+    value: str, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    line = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
+    line = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--gpu_memory_gb", value)  # fmt: skip
     assert "must be a finite number > 0" in line
 
 
-def test_the_planner_says_when_shapes_overflow(tmp_path: Path, demo_root: Path, capsys: pytest.CaptureFixture) -> None:
-    model = _model_copy(demo_root, tmp_path)
+def test_the_planner_says_when_shapes_overflow(
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
+) -> None:
+    model = _model_copy(demo_assets, tmp_path)
     config = json.loads((model / "config.json").read_text())
     config.update(hidden_size=2**40, intermediate_size=2**45, vocab_size=2**40, num_attention_heads=2**10)
     (model / "config.json").write_text(json.dumps(config))
@@ -240,7 +242,7 @@ def test_the_planner_says_when_shapes_overflow(tmp_path: Path, demo_root: Path, 
     assert "overflow 64-bit sizes" in line
 
 
-def test_a_plan_allocates_nothing_in_proportion_to_the_model(demo_cache: Path) -> None:
+def test_a_plan_allocates_nothing_in_proportion_to_the_model(demo_assets: Path) -> None:
     """A LoRA rank of ten million is 5 GB of adapter weights on the demo LM: the plan must trace it on
     `meta` like the base, not make it for real. Run under an address-space cap the real weights would
     break; the plan must come out (exit 1: it does not fit)."""
@@ -251,7 +253,7 @@ def test_a_plan_allocates_nothing_in_proportion_to_the_model(demo_cache: Path) -
 
     cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", str(CONFIGS / "demo" / "sft.yaml")]
     result = subprocess.run(
-        [*cmd, "--demo_cache_dir", str(demo_cache), "--lora_r", "10000000", "--brief"],
+        [*cmd, "--demo_assets", str(demo_assets), "--lora_r", "10000000", "--brief"],
         capture_output=True,
         text=True,
         preexec_fn=limit,

@@ -80,7 +80,32 @@ def test_ppo_under_a_sharding_config_is_refused_in_one_line(tmp_path: Path) -> N
     assert not (tmp_path / "ppo").exists()
 
 
-def test_tools_run_with_their_own_options(demo_cache: Path) -> None:
-    result = _fitrl("plan", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--brief")
+def test_tools_run_with_their_own_options(demo_assets: Path) -> None:
+    result = _fitrl("plan", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--brief")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("memory plan: peak")
+
+
+def test_every_launch_shares_the_machines_cores_among_its_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a direct run of a stage takes (`fitrl.config.thread_rule`: every core), a launched one gets too:
+    the cores divided among the processes its command starts, unless OMP_NUM_THREADS says otherwise."""
+    from fitrl import launch
+
+    monkeypatch.setattr(launch, "cpu_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config = tmp_path / "ddp.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
+    commands = {
+        "python scripts/merge_adapter.py": 8,
+        "accelerate launch --quiet --num_processes 1 scripts/sft_lora.py": 8,
+        "accelerate launch --num_processes 2 scripts/sft_lora.py": 4,
+        f"accelerate launch --config_file {config} scripts/sft_lora.py": 2,
+        f"accelerate launch --config_file {tmp_path / 'missing.yaml'} scripts/sft_lora.py": 8,
+        "accelerate launch --num_processes 16 scripts/sft_lora.py": 1,
+    }
+    for command, threads in commands.items():
+        assert launch.launch_env(command.split())["OMP_NUM_THREADS"] == str(threads), command
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.launch_env("accelerate launch --num_processes 2 x.py".split())["OMP_NUM_THREADS"] == "3"

@@ -22,12 +22,12 @@ def test_local_jsonl_and_csv(tmp_path: Path) -> None:
     assert list(ds["text"]) == ["hello", "world"], "empty rows are dropped"
 
 
-def test_demo_reviews(demo_cache: Path) -> None:
-    ds = load_text_dataset("demo://reviews", "train", "text", str(demo_cache), max_samples=10)
+def test_demo_reviews(demo_assets: Path) -> None:
+    ds = load_text_dataset("demo://reviews", "train", "text", str(demo_assets), max_samples=10)
     assert len(ds) == 10
 
 
-def test_texts_read_without_datasets_are_the_datasets_texts(tmp_path: Path, demo_cache: Path) -> None:
+def test_texts_read_without_datasets_are_the_datasets_texts(tmp_path: Path, demo_assets: Path) -> None:
     rows = [{"review": "a good film"}, {"review": "  "}, {"other": 1}, {"review": "bad", "x": 2}]
     (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     for source, column, min_chars, limit in [
@@ -35,8 +35,8 @@ def test_texts_read_without_datasets_are_the_datasets_texts(tmp_path: Path, demo
         (str(tmp_path / "a.jsonl"), "review", 4, None),
         ("demo://reviews", "text", 60, 50),
     ]:
-        expected = list(load_text_dataset(source, "train", column, str(demo_cache), limit, min_chars)["text"])
-        assert load_texts(source, "train", column, str(demo_cache), limit, min_chars) == expected
+        expected = list(load_text_dataset(source, "train", column, str(demo_assets), limit, min_chars)["text"])
+        assert load_texts(source, "train", column, str(demo_assets), limit, min_chars) == expected
     assert load_texts(str(tmp_path / "a.jsonl"), "train", "review", str(tmp_path)) == ["a good film", "bad"]
     # datasets refuses a column of mixed types (one line of pyarrow); a non-text value is no text
     (tmp_path / "b.jsonl").write_text(json.dumps({"review": 7}) + "\n" + json.dumps({"review": "fine"}) + "\n")

@@ -25,17 +25,17 @@ from conftest import CONFIGS, assert_memory_planned_and_measured, bash_pipeline,
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
-    project = demo_project(tmp_path_factory.mktemp("project"), demo_cache, "demo")
+def demo_run(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> Path:
+    project = demo_project(tmp_path_factory.mktemp("project"), demo_assets, "demo")
     result = bash_pipeline(project, "--profile", "demo", timeout=1800)
     assert result.returncode == 0, result.stderr[-4000:]
     return project / "outputs" / "demo"
 
 
-def test_the_demo_lm_writes_held_out_text_well(demo_cache: Path) -> None:
+def test_the_demo_lm_writes_held_out_text_well(demo_assets: Path) -> None:
     # A 2-layer model after 40 pretraining steps (demo v2) had a held-out perplexity of ~107 and wrote
     # word salad; the shipped LM is at 3.45 on the test reviews, which it never saw.
-    assert demo.manifest(demo_cache)["lm_test_perplexity"] < 4.0
+    assert demo.manifest(demo_assets)["lm_test_perplexity"] < 4.0
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ def _doctor(*args: str | Path) -> int:
     return stop.value.code
 
 
-def test_the_demo_profile_is_ready(tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture) -> None:
-    project = demo_project(tmp_path, demo_cache, "mine")
+def test_the_demo_profile_is_ready(tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture) -> None:
+    project = demo_project(tmp_path, demo_assets, "mine")
     assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 0
     lines = _lines(capsys)
     assert lines[-1] == "ready"
@@ -42,29 +42,27 @@ def test_the_demo_profile_is_ready(tmp_path: Path, demo_cache: Path, capsys: pyt
     ], lines
     for name in stages.PLANNABLE:  # every training stage planned
         assert any(line.startswith(f"ok    {name}: memory plan: peak") for line in lines), (name, lines)
-    assert any(line.startswith("ok    demo://lexicon: built") for line in lines)  # PPO's judge
+    assert any(line.startswith("ok    demo://lexicon: the demo's, in ") for line in lines)  # PPO's judge
     # The stages that read an earlier stage's output are not sent looking for it
     assert not any(str(tmp_path / "run") in line for line in lines[:-1] if "free at" not in line)
 
 
 def test_ppo_on_the_runs_own_reward_model_is_ready_before_the_rm_stage_has_run(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     import yaml
 
-    project = demo_project(tmp_path, demo_cache, "mine")
+    project = demo_project(tmp_path, demo_assets, "mine")
     ppo = project / "configs" / "mine" / "ppo.yaml"
     ppo.write_text(yaml.safe_dump({**yaml.safe_load(ppo.read_text()), "reward_adapter": "outputs/mine/rm"}))
     assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 0
     assert _lines(capsys)[-1] == "ready"
-    assert _doctor("--profile", "demo", "--demo_cache_dir", demo_cache) == 2  # not a doctor option: one line
-    assert capsys.readouterr().err.splitlines() == [
-        "error: unrecognized arguments: --demo_cache_dir " + str(demo_cache)
-    ]
+    assert _doctor("--profile", "demo", "--demo_assets", demo_assets) == 2  # not a doctor option: one line
+    assert capsys.readouterr().err.splitlines() == ["error: unrecognized arguments: --demo_assets " + str(demo_assets)]
 
 
 def test_what_would_stop_a_run_is_one_error_line_each(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     no_config = tmp_path / "not-a-model"
     no_config.mkdir()
@@ -74,7 +72,7 @@ def test_what_would_stop_a_run_is_one_error_line_each(
         "rm": {"chosen_column": "better"},
         "grpo": {"model_name_or_path": "someone/not-downloaded-1b"},
     }
-    project = demo_project(tmp_path, demo_cache, "mine", overrides)
+    project = demo_project(tmp_path, demo_assets, "mine", overrides)
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(2**40, 2**40 - 2**20, 2**20))
     assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 2
@@ -118,8 +116,8 @@ def test_packages_are_read_against_the_pins(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.slow
-def test_pipeline_check_runs_the_doctor_for_its_profile(tmp_path: Path, demo_cache: Path) -> None:
-    project = demo_project(tmp_path, demo_cache, "mine", stages=["sft", "merge", "rm", "ppo"])
+def test_pipeline_check_runs_the_doctor_for_its_profile(tmp_path: Path, demo_assets: Path) -> None:
+    project = demo_project(tmp_path, demo_assets, "mine", stages=["sft", "merge", "rm", "ppo"])
     result = bash_pipeline(project, "--profile", "mine", "--check", timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "ready"

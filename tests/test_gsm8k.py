@@ -31,8 +31,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_demo_problems_have_numeric_golds(demo_cache: Path) -> None:
-    ds, skipped = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test"), str(demo_cache))
+def test_demo_problems_have_numeric_golds(demo_assets: Path) -> None:
+    ds, skipped = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test"), str(demo_assets))
     assert skipped == [] and len(ds) == 300
     assert set(ds.column_names) == {"question", "answer", "gold"}
     row = ds[0]
@@ -43,14 +43,14 @@ def test_demo_problems_have_numeric_golds(demo_cache: Path) -> None:
     assert "<<" not in solution  # GSM8K's calculator annotations are not part of the reasoning
 
 
-def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_cache: Path) -> None:
+def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_assets: Path) -> None:
     rows = [
         {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"},
         {"question": "Name a colour.", "answer": "#### blue"},
         {"question": "What is 10 * 100?", "answer": "#### 1,000"},
     ]
     args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)))
-    ds, skipped = load_problems(args, str(demo_cache))
+    ds, skipped = load_problems(args, str(demo_assets))
     assert ds["gold"] == ["4", "1,000"]
     assert skipped == [{"row": 1, "gold": "blue"}]
 
@@ -67,33 +67,33 @@ def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_cache: Pa
         ([{"question": "q", "answer": "#### four"}], "no row has a numeric gold"),
     ],
 )
-def test_bad_gsm8k_data_is_a_usage_error(tmp_path: Path, demo_cache: Path, rows: list, message: str) -> None:
+def test_bad_gsm8k_data_is_a_usage_error(tmp_path: Path, demo_assets: Path, rows: list, message: str) -> None:
     args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", rows)))
     with pytest.raises(UsageError, match=message):
-        load_problems(args, str(demo_cache))
+        load_problems(args, str(demo_assets))
 
 
-def test_plain_numeric_answers_in_columns_of_other_names_are_read(tmp_path: Path, demo_cache: Path) -> None:
+def test_plain_numeric_answers_in_columns_of_other_names_are_read(tmp_path: Path, demo_assets: Path) -> None:
     """A user's own question/answer data: the answer a bare number (text or numeric), the columns named."""
     rows = [{"q": "What is 2 + 2?", "a": 4, "id": 1}, {"q": "Half of 7?", "a": "3.5", "id": 2}]
     args = GSM8KDataArguments(
         dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)), question_column="q", answer_column="a"
     )
-    ds, skipped = load_problems(args, str(demo_cache))
+    ds, skipped = load_problems(args, str(demo_assets))
     assert ds["question"] == ["What is 2 + 2?", "Half of 7?"] and ds["gold"] == ["4", "3.5"] and not skipped
 
 
-def test_prompts_use_the_system_message_and_long_ones_are_dropped(demo_root: Path, demo_cache: Path) -> None:
+def test_prompts_use_the_system_message_and_long_ones_are_dropped(demo_assets: Path) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(demo_root / "lm")
+    tok = AutoTokenizer.from_pretrained(demo_assets / "lm")
     assert ensure_chat_template(tok) is True  # a base model's tokenizer gets the plain template
     assert ensure_chat_template(tok) is False
     text = render_prompt(tok, prompt_messages("What is 2 + 2?"))
     assert text.startswith("Respond in the following format:\n<reasoning>")
     assert text.endswith("What is 2 + 2?\nAnswer:\n")
 
-    ds, _ = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", max_samples=50), str(demo_cache))
+    ds, _ = load_problems(GSM8KDataArguments(dataset="demo://arithmetic", max_samples=50), str(demo_assets))
     lengths = sorted(len(tok(render_prompt(tok, prompt_messages(q))).input_ids) for q in ds["question"])
     limit = lengths[len(lengths) // 2]
     kept, dropped = add_prompts(ds, tok, "Respond in the following format:", 10_000)
@@ -104,17 +104,17 @@ def test_prompts_use_the_system_message_and_long_ones_are_dropped(demo_root: Pat
         add_prompts(ds, tok, GSM8KDataArguments().system_prompt, lengths[0] - 1)
 
 
-def test_demo_reasoner_has_learned_the_format(demo_root: Path) -> None:
+def test_demo_reasoner_has_learned_the_format(demo_assets: Path) -> None:
     """GRPO needs a start that sometimes earns the format reward: the demo's reasoner mostly does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fitrl.outputs import read_jsonl
     from fitrl.rollout import complete_chats
 
-    tok = AutoTokenizer.from_pretrained(demo_root / "reasoner")
+    tok = AutoTokenizer.from_pretrained(demo_assets / "reasoner")
     tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(demo_root / "reasoner")
-    problems = read_jsonl(demo_root / "arithmetic" / "test.jsonl")[:32]
+    model = AutoModelForCausalLM.from_pretrained(demo_assets / "reasoner")
+    problems = read_jsonl(demo_assets / "arithmetic" / "test.jsonl")[:32]
     completions = complete_chats(model, tok, [prompt_messages(p["question"]) for p in problems], 96, batch_size=32)
     assert sum(is_strict_format(c[0]) for c in completions) >= 16
 
@@ -141,15 +141,15 @@ SMOKE_MODEL = ["--quantization", "8bit", "--beta", "0.1"]
 
 
 @pytest.fixture(scope="module")
-def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> Path:
     """A 3-step GRPO run on the demo: 8-bit frozen base, LoRA, a KL term to the adapter-off reference."""
     out = tmp_path_factory.mktemp("grpo") / "run"
     result = run_script(
         "grpo_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         out,
         *SMOKE_MODEL,
@@ -199,15 +199,15 @@ def test_grpo_smoke_run_in_8bit_with_lora(grpo_smoke: Path) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_assets: Path, tmp_path: Path) -> None:
     checkpoint = grpo_smoke.with_name("run.checkpoints") / "checkpoint-2"
     out = tmp_path / "resumed"
     result = run_script(
         "grpo_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         out,
         *SMOKE_MODEL,
@@ -235,7 +235,7 @@ def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_cache: Path, tmp_
 
 
 @pytest.mark.slow
-def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache: Path) -> None:
+def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_assets: Path) -> None:
     from safetensors.torch import load_file
 
     out = tmp_path / "ddp"
@@ -243,8 +243,8 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
         "grpo_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         out,
         *SMOKE[:-2],
@@ -265,7 +265,7 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_cache
 
 
 @pytest.mark.slow
-def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_assets: Path, tmp_path: Path) -> None:
     data = write_jsonl(
         tmp_path / "test.jsonl",
         [
@@ -279,8 +279,8 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
         "evaluate_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "eval_gsm8k.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--dataset",
         data,
         "--adapter",
@@ -340,14 +340,14 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_cach
         (["--guard_heldout_split", "validation"], "set guard_heldout_split to a held-out split, or guard_heldout"),
     ],
 )
-def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[str], message: str) -> None:
+def test_grpo_bad_config_exits_2(tmp_path: Path, demo_assets: Path, args: list[str], message: str) -> None:
     out = tmp_path / "never"
     result = run_script(
         "grpo_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         out,
         *args,
@@ -358,15 +358,15 @@ def test_grpo_bad_config_exits_2(tmp_path: Path, demo_cache: Path, args: list[st
 
 
 @pytest.mark.parametrize("script", ["grpo_gsm8k.py", "evaluate_gsm8k.py"])
-def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_cache: Path, script: str) -> None:
+def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_assets: Path, script: str) -> None:
     data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "about four"}])
     config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
     result = run_script(
         script,
         "--config",
         CONFIGS / "demo" / f"{config}.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--dataset",
         data,
         "--output_dir",
@@ -378,13 +378,13 @@ def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_cache:
     assert not (tmp_path / "out").exists()
 
 
-def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_cache: Path) -> None:
+def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_assets: Path) -> None:
     result = run_script(
         "evaluate_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "eval_gsm8k.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--adapter",
         tmp_path / "nothing",
         "--output_dir",
@@ -394,22 +394,22 @@ def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_cache: Path) ->
     assert "has no adapter_config.json" in error_line(result)
 
 
-def test_a_missing_gsm8k_column_says_which_columns_are_needed(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_missing_gsm8k_column_says_which_columns_are_needed(tmp_path: Path, demo_assets: Path) -> None:
     args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", [{"q": "What is 2 + 2?"}])))
     with pytest.raises(UsageError, match="no column 'question'.*set question_column and answer_column"):
-        load_problems(args, str(demo_cache))
+        load_problems(args, str(demo_assets))
 
 
 @pytest.mark.slow
-def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_assets: Path, tmp_path: Path) -> None:
     """The seed covers the LoRA init, the sampling and the data order: a second run repeats the first."""
     again = tmp_path / "again"
     result = run_script(
         "grpo_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         again,
         *SMOKE_MODEL,
@@ -422,26 +422,26 @@ def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_
     assert rewards[0] == rewards[1]
 
 
-def test_fewshot_examples_are_solved_train_problems_before_the_question(demo_root: Path, demo_cache: Path) -> None:
+def test_fewshot_examples_are_solved_train_problems_before_the_question(demo_assets: Path) -> None:
     from transformers import AutoTokenizer
 
     from fitrl.gsm8k import fewshot_examples
 
     args = GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test")
-    examples = fewshot_examples(args, 2, seed=5, demo_cache_dir=str(demo_cache))
-    assert examples == fewshot_examples(args, 2, seed=5, demo_cache_dir=str(demo_cache))  # the seed fixes them
+    examples = fewshot_examples(args, 2, seed=5, demo_assets=str(demo_assets))
+    assert examples == fewshot_examples(args, 2, seed=5, demo_assets=str(demo_assets))  # the seed fixes them
     train_questions = set(
-        load_problems(dataclasses.replace(args, dataset_split="train"), str(demo_cache))[0]["question"]
+        load_problems(dataclasses.replace(args, dataset_split="train"), str(demo_assets))[0]["question"]
     )
     assert all(q in train_questions and is_strict_format(a) for q, a in examples)
-    tok = AutoTokenizer.from_pretrained(demo_root / "lm")
+    tok = AutoTokenizer.from_pretrained(demo_assets / "lm")
     ensure_chat_template(tok)
     text = render_prompt(tok, prompt_messages("What is 2 + 2?", examples=examples))
     assert text.index(examples[0][0]) < text.index(examples[1][0]) < text.index("What is 2 + 2?")
     assert text.count("<answer>") == 1 + 2  # the system prompt's, then one per example
     assert text.endswith("What is 2 + 2?\nAnswer:\n")
     with pytest.raises(UsageError, match="lower num_fewshot"):
-        fewshot_examples(dataclasses.replace(args, max_samples=3), 10_000, 0, str(demo_cache))
+        fewshot_examples(dataclasses.replace(args, max_samples=3), 10_000, 0, str(demo_assets))
 
 
 def test_harness_extractions_read_as_lm_evaluation_harness_does() -> None:
@@ -457,15 +457,15 @@ def test_harness_extractions_read_as_lm_evaluation_harness_does() -> None:
 
 
 @pytest.mark.slow
-def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_cache: Path, tmp_path: Path) -> None:
+def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_assets: Path, tmp_path: Path) -> None:
     runs = []
     for name in ["a", "b"]:
         result = run_script(
             "evaluate_gsm8k.py",
             "--config",
             CONFIGS / "demo" / "eval_gsm8k.yaml",
-            "--demo_cache_dir",
-            demo_cache,
+            "--demo_assets",
+            demo_assets,
             "--adapter",
             grpo_smoke,
             "--output_dir",
@@ -488,11 +488,11 @@ def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_ca
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, demo_cache: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, demo_assets: Path) -> None:
     """A preempted machine sends SIGTERM: the step finishes, a complete checkpoint is saved, the process
     exits 143 with one line and leaves no half-written output; `latest` resumes there."""
     out = tmp_path / "run"
-    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]
+    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out]
     args += [*SMOKE_MODEL, *SMOKE[:-2], "--num_samples_to_show", "0"]
     staged = tmp_path / ".run.partial" / "metrics.jsonl"
     code, line = sigterm_when("grpo_gsm8k.py", *args, "--max_steps", "500", watch=staged, rows=2)
@@ -517,16 +517,14 @@ def copied_checkpoints(grpo_smoke: Path, tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-def _grpo_main(out: Path, demo_cache: Path, *extra: str | Path) -> int:
+def _grpo_main(out: Path, demo_assets: Path, *extra: str | Path) -> int:
     from conftest import run_main
 
-    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out]
+    args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out]
     return run_main("grpo_gsm8k.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
 
 
-def _strict_run_with_template(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, old: str, new: str, *extra_tokens: str
-):
+def _strict_run_with_template(tmp_path: Path, demo_assets: Path, old: str, new: str, *extra_tokens: str):
     """GRPO under strict_guards on the demo reasoner whose plain chat template has `old` replaced by `new`
     (and `extra_tokens` added as special tokens); returns (exit code, stderr). Nothing may be written."""
     import shutil
@@ -536,25 +534,23 @@ def _strict_run_with_template(
     from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
 
     model = tmp_path / "chat"
-    shutil.copytree(demo_root / "reasoner", model)
+    shutil.copytree(demo_assets / "reasoner", model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     if extra_tokens:
         tokenizer.add_tokens(list(extra_tokens), special_tokens=True)
     assert old in PLAIN_CHAT_TEMPLATE
     tokenizer.chat_template = PLAIN_CHAT_TEMPLATE.replace(old, new)
     tokenizer.save_pretrained(model)
-    return _grpo_main(tmp_path / "run", demo_cache, "--model_name_or_path", model, "--strict_guards", "true")
+    return _grpo_main(tmp_path / "run", demo_assets, "--model_name_or_path", model, "--strict_guards", "true")
 
 
 def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A thinking-style chat template ends the prompt with the block the format reward expects the
     completion to open: completions never write it and the format reward reads 0 (ms-swift#9764).
     With strict_guards the run stops in its preflight, before the model loads, and writes nothing."""
-    code = _strict_run_with_template(
-        tmp_path, demo_cache, demo_root, "{{ 'Answer:\\n' }}", "{{ 'Answer:\\n<reasoning>\\n' }}"
-    )
+    code = _strict_run_with_template(tmp_path, demo_assets, "{{ 'Answer:\\n' }}", "{{ 'Answer:\\n<reasoning>\\n' }}")
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert "error: guard 'template' at step 0: the chat template ends each prompt with <reasoning>" in err
@@ -562,14 +558,12 @@ def test_a_template_that_opens_the_reasoning_block_is_named_before_any_step(
 
 
 def test_a_turn_end_token_generation_does_not_stop_at_is_named_before_any_step(
-    tmp_path: Path, demo_cache: Path, demo_root: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """A chat template that closes the assistant's turn with a token the generation never stops at (Llama
     3's <|eot_id|> beside a base config's <|end_of_text|>): completions run to the length limit."""
     closing = "message['content'] + eos_token"
-    code = _strict_run_with_template(
-        tmp_path, demo_cache, demo_root, closing, "message['content'] + '<|end|>'", "<|end|>"
-    )
+    code = _strict_run_with_template(tmp_path, demo_assets, closing, "message['content'] + '<|end|>'", "<|end|>")
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert "error: guard 'stop_token' at step 0: the chat template closes an assistant turn with '<|end|>'" in err
@@ -577,12 +571,12 @@ def test_a_turn_end_token_generation_does_not_stop_at_is_named_before_any_step(
 
 
 def test_format_only_rewards_without_a_kl_term_are_named_before_any_step(
-    tmp_path: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """trl's default beta 0 with rewards that only score the format: the policy games the format with
     empty content (FAI-RL#96). With strict_guards the run stops before the model loads."""
     args = ["--reward_funcs", "strict_format", "soft_format", "--beta", "0", "--strict_guards", "true"]
-    code = _grpo_main(tmp_path / "run", demo_cache, *args)
+    code = _grpo_main(tmp_path / "run", demo_assets, *args)
     err = capsys.readouterr().err
     assert code == 1, err[-2000:]
     assert (
@@ -600,7 +594,9 @@ def repeat_word(completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(
+    tmp_path: Path, demo_assets: Path
+) -> None:
     """The user's own reward function, in a module of its own in the working directory, with no content
     reward: the training reward rises while held-out accuracy falls and completions loop on the word.
 
@@ -611,7 +607,7 @@ def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(tm
     out = tmp_path / "run"
     result = run_script(
         "grpo_gsm8k.py",
-        *["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out],
+        *["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out],
         *["--reward_funcs", "my_rewards:repeat_word", "--learning_rate", "2e-3", "--max_steps", "20"],
         *["--guard_heldout_every", "10", "--guard_repetition_max", "0.15", "--num_samples_to_show", "0"],
         cwd=tmp_path,
@@ -630,7 +626,7 @@ def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(tm
 
 @pytest.mark.slow
 def test_latest_skips_checkpoints_whose_save_did_not_finish(
-    copied_checkpoints: Path, demo_cache: Path, capsys: pytest.CaptureFixture
+    copied_checkpoints: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """`kill -9` or a full disk during a save leaves a newest checkpoint without its settings file (or an
     empty folder): `latest` takes the newest complete one; naming an incomplete one is refused."""
@@ -650,7 +646,7 @@ def test_latest_skips_checkpoints_whose_save_did_not_finish(
     settings = load_run_config(newest)
     assert resume_checkpoint("latest", copied_checkpoints, "checkpoint", "GRPO", settings) == newest
     assert "skipping" in capsys.readouterr().out
-    assert _grpo_main(copied_checkpoints, demo_cache, "--resume_from_checkpoint", cut) == 2
+    assert _grpo_main(copied_checkpoints, demo_assets, "--resume_from_checkpoint", cut) == 2
     err = capsys.readouterr().err
     assert f"{cut.name} is incomplete" in err and f"resume from {newest} instead" in err
     assert not copied_checkpoints.exists()
@@ -669,7 +665,7 @@ def test_latest_skips_checkpoints_whose_save_did_not_finish(
     ],
 )
 def test_a_damaged_or_crafted_checkpoint_is_one_line_and_runs_nothing(
-    copied_checkpoints: Path, demo_cache: Path, capsys: pytest.CaptureFixture, name: str, damage: str, message: str
+    copied_checkpoints: Path, demo_assets: Path, capsys: pytest.CaptureFixture, name: str, damage: str, message: str
 ) -> None:
     import pickle
 
@@ -681,7 +677,7 @@ def test_a_damaged_or_crafted_checkpoint_is_one_line_and_runs_nothing(
         path.write_bytes(path.read_bytes()[: max(1, path.stat().st_size // 2)])
     else:
         path.write_bytes(pickle.dumps(Payload(marker)))
-    assert _grpo_main(copied_checkpoints, demo_cache, "--resume_from_checkpoint", "latest") == 2
+    assert _grpo_main(copied_checkpoints, demo_assets, "--resume_from_checkpoint", "latest") == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0] and name in errors[0], errors
     assert not marker.exists() and not copied_checkpoints.exists()

@@ -292,7 +292,7 @@ def test_the_reference_guard_reads_trls_first_measured_log_ratios() -> None:
     assert first_step({"rewards/chosen": [5.0]}, step=7).seen == {}  # a resumed run: updates came before
 
 
-def test_the_demo_classifier_reads_the_demo_lms_text_and_names_a_script_it_cannot(demo_root) -> None:
+def test_the_demo_classifier_reads_the_demo_lms_text_and_names_a_script_it_cannot(demo_assets) -> None:
     """The demo's real pair: the reward classifier (its own 353-token WordPiece) reads the review text the
     policy's tokenizer decodes; text in a script it has no tokens for, it reads as [UNK]."""
     from transformers import AutoTokenizer
@@ -300,9 +300,9 @@ def test_the_demo_classifier_reads_the_demo_lms_text_and_names_a_script_it_canno
     from fitrl.guards import check_reward_tokenizer
     from fitrl.outputs import read_jsonl
 
-    policy = AutoTokenizer.from_pretrained(demo_root / "lm")
-    reward = AutoTokenizer.from_pretrained(demo_root / "classifier")
-    reviews = [r["text"][:120] for r in read_jsonl(demo_root / "reviews" / "test.jsonl")[:32]]
+    policy = AutoTokenizer.from_pretrained(demo_assets / "lm")
+    reward = AutoTokenizer.from_pretrained(demo_assets / "classifier")
+    reviews = [r["text"][:120] for r in read_jsonl(demo_assets / "reviews" / "test.jsonl")[:32]]
     health = Health()
     check_reward_tokenizer(reviews, policy, reward, health)
     assert health.seen["reward_tokenizer"]["passed"], health.seen
@@ -312,7 +312,7 @@ def test_the_demo_classifier_reads_the_demo_lms_text_and_names_a_script_it_canno
         check_reward_tokenizer(foreign, policy, reward, Health())
 
 
-def test_a_frozen_adapter_on_the_demo_model_stops_before_the_first_step(demo_root, tmp_path) -> None:
+def test_a_frozen_adapter_on_the_demo_model_stops_before_the_first_step(demo_assets, tmp_path) -> None:
     """trl#6700: an adapter loaded for inference (peft's default, `is_trainable=False`) handed to the
     trainer trains nothing while its curves (and, with beta != 0, its KL) look normal. The callback trl's
     loop calls at train begin stops the run."""
@@ -320,7 +320,7 @@ def test_a_frozen_adapter_on_the_demo_model_stops_before_the_first_step(demo_roo
     from transformers import AutoModelForCausalLM
 
     def base() -> nn.Module:
-        return AutoModelForCausalLM.from_pretrained(demo_root / "reasoner")
+        return AutoModelForCausalLM.from_pretrained(demo_assets / "reasoner")
 
     get_peft_model(base(), LoraConfig(r=4, target_modules=["query_key_value"])).save_pretrained(tmp_path / "a")
     frozen = PeftModel.from_pretrained(base(), tmp_path / "a")

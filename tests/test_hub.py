@@ -86,11 +86,11 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn]:
 
 
 @pytest.mark.slow
-def test_a_finished_sft_output_lands_in_the_hub_repo_whole(tmp_path: Path, demo_cache: Path, hub: StandIn) -> None:
+def test_a_finished_sft_output_lands_in_the_hub_repo_whole(tmp_path: Path, demo_assets: Path, hub: StandIn) -> None:
     out = tmp_path / "sft"
     result = run_script(
         "sft_lora.py",
-        *["--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--output_dir", out],
+        *["--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--output_dir", out],
         *["--max_steps", "1", "--push_to_hub", "true", "--hub_model_id", "me/my-sft"],
     )
     assert result.returncode == 0, result.stderr[-3000:]

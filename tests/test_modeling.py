@@ -25,15 +25,15 @@ from fitrl.modeling import (
 )
 
 
-def _args(demo_cache: Path, quantization: str = "8bit") -> ModelArguments:
+def _args(demo_assets: Path, quantization: str = "8bit") -> ModelArguments:
     return ModelArguments(model_name_or_path="demo://lm", quantization=quantization, dtype="float32")
 
 
-def test_8bit_base_loads_and_lora_trains_on_cpu(demo_cache: Path) -> None:
+def test_8bit_base_loads_and_lora_trains_on_cpu(demo_assets: Path) -> None:
     """The real recipe's code path: int8 frozen base, LoRA + 8-bit AdamW, one update on a CPU."""
     import bitsandbytes as bnb
 
-    model = load_causal_lm(_args(demo_cache), demo_cache_dir=str(demo_cache), gradient_checkpointing=True)
+    model = load_causal_lm(_args(demo_assets), demo_assets=str(demo_assets), gradient_checkpointing=True)
     int8_layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
     assert int8_layers and int8_layers[0].weight.dtype == torch.int8
     model = add_lora(model, LoraArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0))
@@ -53,8 +53,8 @@ def test_8bit_base_loads_and_lora_trains_on_cpu(demo_cache: Path) -> None:
     assert all(torch.equal(m.weight, m.weight) and m.weight.dtype == torch.int8 for m in int8_layers)
 
 
-def test_4bit_base_loads_and_runs_on_cpu(demo_cache: Path) -> None:
-    model = load_causal_lm(_args(demo_cache, "4bit"), demo_cache_dir=str(demo_cache), for_training=False)
+def test_4bit_base_loads_and_runs_on_cpu(demo_assets: Path) -> None:
+    model = load_causal_lm(_args(demo_assets, "4bit"), demo_assets=str(demo_assets), for_training=False)
     assert getattr(model, "is_loaded_in_4bit", False)
     out = model(input_ids=torch.randint(0, model.config.vocab_size, (1, 8)))
     assert torch.isfinite(out.logits).all()
@@ -80,32 +80,32 @@ def test_llama_style_model_gets_q_v_lora(tmp_path: Path) -> None:
     assert adapted == {"q_proj", "v_proj"}
 
 
-def test_lora_target_that_matches_nothing_is_a_usage_error(demo_cache: Path) -> None:
-    model = load_causal_lm(_args(demo_cache, "none"), demo_cache_dir=str(demo_cache))
+def test_lora_target_that_matches_nothing_is_a_usage_error(demo_assets: Path) -> None:
+    model = load_causal_lm(_args(demo_assets, "none"), demo_assets=str(demo_assets))
     with pytest.raises(UsageError, match="cannot put LoRA"):
         add_lora(model, LoraArguments(lora_target_modules=["no_such_module"]))
 
 
-def test_pad_token_falls_back_to_eos(demo_root: Path) -> None:
-    tok = load_tokenizer(str(demo_root / "lm"))
+def test_pad_token_falls_back_to_eos(demo_assets: Path) -> None:
+    tok = load_tokenizer(str(demo_assets / "lm"))
     assert tok.pad_token == tok.eos_token == "<|endoftext|>"
 
 
-def test_model_paths_are_checked(tmp_path: Path, demo_cache: Path) -> None:
-    assert resolve_model_path("EleutherAI/gpt-neox-20b", str(demo_cache)) == "EleutherAI/gpt-neox-20b"
+def test_model_paths_are_checked(tmp_path: Path, demo_assets: Path) -> None:
+    assert resolve_model_path("EleutherAI/gpt-neox-20b", str(demo_assets)) == "EleutherAI/gpt-neox-20b"
     with pytest.raises(UsageError, match="does not exist"):
-        resolve_model_path("./no/such/model", str(demo_cache))
+        resolve_model_path("./no/such/model", str(demo_assets))
     with pytest.raises(UsageError, match="has no config.json"):
-        resolve_model_path(str(tmp_path), str(demo_cache))
+        resolve_model_path(str(tmp_path), str(demo_assets))
 
 
 def test_uncached_hub_model_offline_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="cannot load model"):
-        load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model"), demo_cache_dir=str(tmp_path))
+        load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model"), demo_assets=str(tmp_path))
 
 
 def test_lora_on_a_full_precision_model_leaves_bitsandbytes_unloaded_and_an_8bit_model_after_it_works(
-    demo_cache: Path,
+    demo_assets: Path,
 ) -> None:
     """peft would import bitsandbytes (2 s, 44 MB) for any model; fitrl keeps it out until a model needs it,
     and the same process can then still put LoRA on an 8-bit model. A fresh interpreter: pytest's has it."""
@@ -116,7 +116,7 @@ from fitrl import memtrace, planner
 lora = LoraArguments(lora_r=4, lora_alpha=8)
 def model(quantization):
     args = ModelArguments(model_name_or_path="demo://lm", quantization=quantization, dtype="float32")
-    return load_causal_lm(args, demo_cache_dir={str(demo_cache)!r}, for_training=True)
+    return load_causal_lm(args, demo_assets={str(demo_assets)!r}, for_training=True)
 add_lora(model("none"), lora)
 assert "bitsandbytes" not in sys.modules, "bitsandbytes was imported for an fp32 model"
 import bitsandbytes as bnb
@@ -131,12 +131,12 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
 
 
-def test_quantized_load_on_cpu_releases_the_checkpoint_file(demo_root: Path, tmp_path: Path) -> None:
+def test_quantized_load_on_cpu_releases_the_checkpoint_file(demo_assets: Path, tmp_path: Path) -> None:
     """Unquantized tensors left as views of the memory-mapped checkpoint would keep the whole file
     resident (72 MB of RSS for a 20M-parameter model); the load copies them and the map goes."""
     import psutil
 
-    shutil.copytree(demo_root / "lm", tmp_path / "lm")
+    shutil.copytree(demo_assets / "lm", tmp_path / "lm")
     checkpoint = str(tmp_path / "lm" / "model.safetensors")
 
     def mapped() -> bool:
@@ -153,10 +153,10 @@ def test_quantized_load_on_cpu_releases_the_checkpoint_file(demo_root: Path, tmp
     assert torch.isfinite(model(input_ids=x).logits).all()
 
 
-def test_8bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training(demo_cache: Path) -> None:
+def test_8bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training(demo_assets: Path) -> None:
     """bitsandbytes on a CPU would quantize the inputs in eval and not in training: PPO's old and
     reference log-probs (eval) would then differ from the update's (training) before any step."""
-    model = load_causal_lm(_args(demo_cache), demo_cache_dir=str(demo_cache), for_training=True)
+    model = load_causal_lm(_args(demo_assets), demo_assets=str(demo_assets), for_training=True)
     x = torch.randint(0, model.config.vocab_size, (4, 16))
     with torch.no_grad():
         in_eval = model.eval()(input_ids=x).logits
@@ -164,11 +164,11 @@ def test_8bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training(demo_cac
     assert torch.equal(in_eval, in_training)
 
 
-def test_4bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training_and_train_after_it(demo_cache: Path) -> None:
+def test_4bit_layers_on_cpu_give_the_same_logits_in_eval_as_in_training_and_train_after_it(demo_assets: Path) -> None:
     """On a CPU with AVX512-BF16, bitsandbytes would repack the 4-bit weights for another kernel at the
     first no-grad eval pass (PPO's sampling, its reference): other log-probs than the update's, and a
     training step after it failed. fitrl keeps every CPU on the one product; elsewhere this holds anyway."""
-    model = load_causal_lm(_args(demo_cache, "4bit"), demo_cache_dir=str(demo_cache), for_training=True)
+    model = load_causal_lm(_args(demo_assets, "4bit"), demo_assets=str(demo_assets), for_training=True)
     model = add_lora(model, LoraArguments(lora_r=4, lora_alpha=8, lora_dropout=0.0))
     x = torch.randint(0, model.config.vocab_size, (4, 16))
     with torch.no_grad():

@@ -88,7 +88,7 @@ def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) ->
 
 
 @pytest.mark.slow
-def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, demo_assets: Path) -> None:
     """accelerate reports any failed child as exit 1 with a traceback; the pipeline keeps the stage's own 2."""
     (tmp_path / "configs" / "broken").mkdir(parents=True)
     for name in ["pipeline.sh", "scripts"]:
@@ -96,7 +96,7 @@ def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, 
     config = (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
     config = config.replace("reward_adapter: outputs/demo/rm", "reward_adapter: null")  # the classifier scores
     # the session's demo build: the reward model is resolved first, and the default cache is the user's
-    (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(config + f"demo_cache_dir: {demo_cache}\n")
+    (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(config + f"demo_assets: {demo_assets}\n")
     result = subprocess.run(
         ["bash", str(tmp_path / "pipeline.sh")],
         cwd=tmp_path,
@@ -180,9 +180,9 @@ QUICK = {
 
 
 @pytest.fixture
-def quick_project(tmp_path: Path, demo_cache: Path) -> Path:
+def quick_project(tmp_path: Path, demo_assets: Path) -> Path:
     """A project directory whose one profile is a short demo, with the real scripts and launchers."""
-    return demo_project(tmp_path, demo_cache, "quick", QUICK, stages=list(QUICK))
+    return demo_project(tmp_path, demo_assets, "quick", QUICK, stages=list(QUICK))
 
 
 def _edit(path: Path, **values: object) -> None:

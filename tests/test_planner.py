@@ -148,13 +148,13 @@ def _loaded_bytes(model: torch.nn.Module) -> int:
 @pytest.mark.parametrize(
     ("dtype", "quantization"), [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "8bit"), ("bfloat16", "4bit")]
 )
-def test_the_reward_model_is_planned_as_it_loads(demo_root: Path, dtype: str, quantization: str) -> None:
+def test_the_reward_model_is_planned_as_it_loads(demo_assets: Path, dtype: str, quantization: str) -> None:
     """PPO's reward classifier in each precision: the planned bytes are what loading it holds (within 1%)."""
     from fitrl.modeling import load_classifier
     from fitrl.stages.base import RewardModel
 
-    model, _ = load_classifier(str(demo_root / "classifier"), dtype, quantization)
-    planned = planner.reward_model_bytes(RewardModel(str(demo_root / "classifier"), dtype, quantization))
+    model, _ = load_classifier(str(demo_assets / "classifier"), dtype, quantization)
+    planned = planner.reward_model_bytes(RewardModel(str(demo_assets / "classifier"), dtype, quantization))
     assert planned == pytest.approx(_loaded_bytes(model), rel=0.01)
 
 
@@ -322,9 +322,9 @@ def test_every_qwen_profile_stage_fits_the_smallest_16gb_desktop_card() -> None:
     assert max(peaks.values()) < 8 * GiB, peaks  # room to spare: a 1.5B model is the next step up
 
 
-def test_cli_traces_the_demo_and_prints_a_table(demo_cache: Path) -> None:
+def test_cli_traces_the_demo_and_prints_a_table(demo_assets: Path) -> None:
     result = run_script(
-        "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache, "--trace"
+        "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--trace"
     )
     assert result.returncode == 0, result.stderr
     assert "traced at full depth on meta" in result.stdout and "verdict: fits" in result.stdout
@@ -341,8 +341,8 @@ def test_cli_traces_the_demo_and_prints_a_table(demo_cache: Path) -> None:
         (["--stage", "bogus"], "invalid choice"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_cache: Path) -> None:
-    result = run_script("plan_memory.py", *args, "--demo_cache_dir", demo_cache)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_assets: Path) -> None:
+    result = run_script("plan_memory.py", *args, "--demo_assets", demo_assets)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr
@@ -383,9 +383,9 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
     ],
 )
 def test_a_named_card_is_planned_at_what_torch_reports(
-    args: list[str], expected: str, demo_cache: Path, capsys: pytest.CaptureFixture
+    args: list[str], expected: str, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    code = run_main("plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_cache_dir", demo_cache,
+    code = run_main("plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                     "--brief", *args)  # fmt: skip
     out = capsys.readouterr()
     assert code == (2 if expected.startswith("error") else 0)

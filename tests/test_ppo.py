@@ -22,15 +22,15 @@ CLASSIFIER = ["--reward_adapter", ""]
 SMALL = ["--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8"]
 
 
-def _ppo(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = None):
+def _ppo(out: Path, demo_assets: Path, *extra: str, launcher: list[str] | None = None):
     return run_script(
         "ppo_sentiment.py",
         "--config",
         PPO_YAML,
         "--model_name_or_path",
         "demo://lm",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--output_dir",
         out,
         *CLASSIFIER,
@@ -40,15 +40,15 @@ def _ppo(out: Path, demo_cache: Path, *extra: str, launcher: list[str] | None = 
 
 
 @pytest.mark.slow
-def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_cache: Path) -> None:
+def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_assets: Path) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert _ppo(straight, demo_cache, *SMALL, "--steps", "4").returncode == 0
-    first = _ppo(split, demo_cache, *SMALL, "--steps", "2", "--save_steps", "2")
+    assert _ppo(straight, demo_assets, *SMALL, "--steps", "4").returncode == 0
+    first = _ppo(split, demo_assets, *SMALL, "--steps", "2", "--save_steps", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (tmp_path / "split.checkpoints" / "step-2" / "trainer_state.json").is_file()
     resumed = _ppo(
         split,
-        demo_cache,
+        demo_assets,
         *SMALL,
         "--steps",
         "4",
@@ -70,7 +70,7 @@ def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_cache: 
 
 
 @pytest.mark.slow
-def test_speed_options_leave_the_experience_unchanged(tmp_path: Path, demo_cache: Path) -> None:
+def test_speed_options_leave_the_experience_unchanged(tmp_path: Path, demo_assets: Path) -> None:
     """Old log-probs and values read off the sampling pass, and a no-grad batch smaller than the
     generation batch, give the experience that recomputing them in one forward of the whole batch
     gives: the same samples (same seed and generation batch), and the first step's reward, KL,
@@ -84,9 +84,9 @@ def test_speed_options_leave_the_experience_unchanged(tmp_path: Path, demo_cache
     base, fast = tmp_path / "recomputed", tmp_path / "fast"
     common = [*("--quantization", "none", "--batch_size", "16", "--mini_batch_size", "8", "--steps", "1")]
     common += ["--generation_batch_size", "16"]
-    slow_run = _ppo(base, demo_cache, *common, "--forward_batch_size", "16", "--policy_from_generation", "false")
+    slow_run = _ppo(base, demo_assets, *common, "--forward_batch_size", "16", "--policy_from_generation", "false")
     assert slow_run.returncode == 0, slow_run.stderr[-2000:]
-    fast_run = _ppo(fast, demo_cache, *common, "--forward_batch_size", "8", "--policy_from_generation", "true")
+    fast_run = _ppo(fast, demo_assets, *common, "--forward_batch_size", "8", "--policy_from_generation", "true")
     assert fast_run.returncode == 0, fast_run.stderr[-2000:]
     (a,), (b,) = read_jsonl(base / "metrics.jsonl"), read_jsonl(fast / "metrics.jsonl")
     for key in ["env/reward_mean", "env/reward_std", "env/response_length"]:
@@ -98,9 +98,9 @@ def test_speed_options_leave_the_experience_unchanged(tmp_path: Path, demo_cache
 
 
 @pytest.mark.slow
-def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo_cache: Path) -> None:
+def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "ddp"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", launcher=accelerate_launch(2))
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "2", launcher=accelerate_launch(2))
     assert result.returncode == 0, result.stderr[-3000:]
     info = load_run_info(out)
     assert info["world_size"] == 2
@@ -122,21 +122,21 @@ def test_two_process_ddp_stays_in_sync_on_different_prompts(tmp_path: Path, demo
         (["--reward_function", "nowhere.py:f"], "reward_function: file nowhere.py does not exist"),
     ],
 )
-def test_bad_config_exits_2(tmp_path: Path, demo_cache: Path, extra: list[str], message: str) -> None:
+def test_bad_config_exits_2(tmp_path: Path, demo_assets: Path, extra: list[str], message: str) -> None:
     out = tmp_path / "out"
-    result = _ppo(out, demo_cache, *extra)
+    result = _ppo(out, demo_assets, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in error_line(result)
     assert not out.exists()
 
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, demo_cache: Path) -> None:
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "run"
-    assert _ppo(out, demo_cache, *SMALL, "--steps", "1", "--save_steps", "1").returncode == 0
+    assert _ppo(out, demo_assets, *SMALL, "--steps", "1", "--save_steps", "1").returncode == 0
     checkpoint = tmp_path / "run.checkpoints" / "step-1"
     # A learning rate of 1e6 blows the first update up to inf/NaN.
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "3", "--learning_rate", "1e6", "--overwrite_output_dir", "true")
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "3", "--learning_rate", "1e6", "--overwrite_output_dir", "true")
     assert result.returncode == 1
     line = error_line(result)
     assert "non-finite" in line and str(checkpoint) in line
@@ -144,9 +144,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path: Path, dem
 
 
 @pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_cache: Path) -> None:
+def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_assets: Path) -> None:
     out = tmp_path / "run"
-    args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_cache_dir", demo_cache, *CLASSIFIER]
+    args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_assets", demo_assets, *CLASSIFIER]
     args += ["--output_dir", out, *SMALL, "--steps", "500", "--save_steps", "0"]
     code, line = sigterm_when("ppo_sentiment.py", *args, watch=tmp_path / ".run.partial" / "metrics.jsonl", rows=1)
     assert code == 143 and "stopped by SIGTERM after step" in line, line
@@ -157,26 +157,24 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_cache: Pa
 
 
 @pytest.mark.slow
-def test_a_reward_classifier_without_its_head_weights_is_refused(
-    tmp_path: Path, demo_cache: Path, demo_root: Path
-) -> None:
+def test_a_reward_classifier_without_its_head_weights_is_refused(tmp_path: Path, demo_assets: Path) -> None:
     """Saved without its head (its config still says ...ForSequenceClassification), a classifier would
     load with a random head and PPO would train against noise."""
     import shutil
 
     headless = tmp_path / "headless"
-    shutil.copytree(demo_root / "classifier", headless)
+    shutil.copytree(demo_assets / "classifier", headless)
     weights = load_file(headless / "model.safetensors")
     save_file({k: v for k, v in weights.items() if "classifier" not in k}, headless / "model.safetensors")
     out = tmp_path / "never"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "1", "--reward_model", headless)
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "1", "--reward_model", headless)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "has no saved weights for" in error_line(result) and "head would be random" in error_line(result)
     assert not out.exists()
 
 
 def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
-    tmp_path: Path, demo_cache: Path, demo_root: Path
+    tmp_path: Path, demo_assets: Path
 ) -> None:
     """A reward model whose score head reads nothing gives every text the same reward: PPO gets no
     signal. The guard says so once, at step 1, and the run's health records it beside the guards that
@@ -184,12 +182,12 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     constant = tmp_path / "constant-rm"
-    model = AutoModelForSequenceClassification.from_pretrained(demo_root / "lm", num_labels=1)
+    model = AutoModelForSequenceClassification.from_pretrained(demo_assets / "lm", num_labels=1)
     torch.nn.init.zeros_(model.score.weight)
     model.save_pretrained(constant)
-    AutoTokenizer.from_pretrained(demo_root / "lm").save_pretrained(constant)
+    AutoTokenizer.from_pretrained(demo_assets / "lm").save_pretrained(constant)
     out = tmp_path / "run"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--reward_model", constant)
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "2", "--reward_model", constant)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("guard 'reward_signal' at step 1: the reward is constant on the first batch") == 1
     health = load_run_info(out)["health"]
@@ -206,7 +204,7 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
         "repetition": True,
         "prompt_length": True,  # the demo's prefix shaping: no prompt over the limit
     }, health
-    stopped = _ppo(tmp_path / "strict", demo_cache, *SMALL, "--steps", "2", "--reward_model", constant,
+    stopped = _ppo(tmp_path / "strict", demo_assets, *SMALL, "--steps", "2", "--reward_model", constant,
                    "--strict_guards", "true")  # fmt: skip
     assert stopped.returncode == 1
     assert "guard 'reward_signal' at step 1" in error_line(stopped) and "strict_guards stopped the run" in error_line(
@@ -216,7 +214,7 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
 
 
 @pytest.mark.slow
-def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path: Path, demo_assets: Path) -> None:
     """The reward is the classifier's NEGATIVE logit while the guard's judge (the same classifier, read for
     POSITIVE) wants the opposite: the training reward rises while the judge's mean verdict on held-out
     prompts falls, and the guard names it (the run goes on: strict_guards is off).
@@ -226,7 +224,7 @@ def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path
     out = tmp_path / "run"
     result = _ppo(
         out,
-        demo_cache,
+        demo_assets,
         *SMALL,
         *["--steps", "20", "--learning_rate", "2e-3", "--init_kl_coef", "0.05", "--positive_label", "NEGATIVE"],
         *["--guard_judge_model", "demo://classifier", "--guard_judge_every", "10", "--guard_judge_drop", "0.1"],
@@ -248,11 +246,13 @@ def says_great(completions, **kwargs):
 
 
 @pytest.mark.slow
-def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(tmp_path: Path, demo_cache: Path) -> None:
+def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(
+    tmp_path: Path, demo_assets: Path
+) -> None:
     (tmp_path / "my_reward.py").write_text(SAYS_GREAT)
     function = f"{tmp_path / 'my_reward.py'}:says_great"
     out = tmp_path / "run"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--reward_function", function)
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "2", "--reward_function", function)
     assert result.returncode == 0, result.stderr[-3000:]
     info = load_run_info(out)
     assert info["health"]["reward_tokenizer"]["saw"] == "a reward function reads the text itself"
@@ -263,7 +263,7 @@ def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(tm
     evaluated = run_script(
         "evaluate_sentiment.py",
         *["--config", CONFIGS / "demo" / "eval.yaml", "--model_name_or_path", "demo://lm"],
-        *["--demo_cache_dir", demo_cache, "--adapter_dir", out, "--output_dir", tmp_path / "eval"],
+        *["--demo_assets", demo_assets, "--adapter_dir", out, "--output_dir", tmp_path / "eval"],
         *["--reward_function", function, "--n_prompts", "8", "--batch_size", "8"],
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
@@ -275,11 +275,11 @@ def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(tm
 
 
 @pytest.mark.slow
-def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Path, demo_cache: Path) -> None:
+def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Path, demo_assets: Path) -> None:
     """`report_to: tensorboard`, PPO's default and the 20B profile's setting, died at start-up for want of
     a logging directory. Its logs go into the staged output, so they end up in `<output_dir>/runs`."""
     out = tmp_path / "run"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--report_to", "tensorboard")
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "2", "--report_to", "tensorboard")
     assert result.returncode == 0, result.stderr[-3000:]
     events = list((out / "runs").rglob("events.out.tfevents.*"))
     assert events and all(e.stat().st_size > 0 for e in events)
@@ -290,10 +290,10 @@ def test_tensorboard_logging_starts_and_its_logs_land_in_the_output(tmp_path: Pa
 
 
 @pytest.fixture(scope="module")
-def ppo_checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_cache: Path) -> Path:
+def ppo_checkpoints(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> Path:
     """A 2-step run that kept both checkpoints; tests copy them before changing anything."""
     out = tmp_path_factory.mktemp("ppo-ckpt") / "run"
-    result = _ppo(out, demo_cache, *SMALL, "--steps", "2", "--save_steps", "1")
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "2", "--save_steps", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     return out.with_name("run.checkpoints")
 
@@ -306,7 +306,7 @@ def _copy(checkpoints: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_crafted_checkpoint_file_is_refused_without_running(
-    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path
+    ppo_checkpoints: Path, demo_assets: Path, tmp_path: Path
 ) -> None:
     """The optimizer state is the one pickle a PPO checkpoint holds (the adapter and value head are
     safetensors): a payload in it never runs."""
@@ -314,7 +314,7 @@ def test_a_crafted_checkpoint_file_is_refused_without_running(
     root = _copy(ppo_checkpoints, tmp_path)
     ran = tmp_path / "payload-ran"
     torch.save({"state": Payload(ran)}, root / "step-2" / name)
-    result = _ppo(tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
+    result = _ppo(tmp_path / "run", demo_assets, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
     assert result.returncode == 2, result.stderr[-3000:]
     assert name in error_line(result) and "refused" in error_line(result)
     assert not ran.exists(), "the checkpoint's payload ran"
@@ -322,12 +322,12 @@ def test_a_crafted_checkpoint_file_is_refused_without_running(
 
 @pytest.mark.slow
 def test_a_truncated_adapter_names_the_file_and_the_previous_checkpoint(
-    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path
+    ppo_checkpoints: Path, demo_assets: Path, tmp_path: Path
 ) -> None:
     root = _copy(ppo_checkpoints, tmp_path)
     adapter = root / "step-2" / "adapter" / "adapter_model.safetensors"
     adapter.write_bytes(adapter.read_bytes()[:100])
-    result = _ppo(tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
+    result = _ppo(tmp_path / "run", demo_assets, *SMALL, "--steps", "3", "--resume_from_checkpoint", "latest")
     assert result.returncode == 2, result.stderr[-3000:]
     line = error_line(result)
     assert str(adapter) in line and f"resume from {root / 'step-1'}" in line
@@ -339,11 +339,11 @@ def test_a_truncated_adapter_names_the_file_and_the_previous_checkpoint(
     [(["--lora_r", "8"], False), (["--batch_size", "8"], False), (["--log_samples", "2"], True)],
 )
 def test_resume_refuses_settings_that_change_the_model_or_data(
-    ppo_checkpoints: Path, demo_cache: Path, tmp_path: Path, change: list[str], allowed: bool
+    ppo_checkpoints: Path, demo_assets: Path, tmp_path: Path, change: list[str], allowed: bool
 ) -> None:
     root = _copy(ppo_checkpoints, tmp_path)
     result = _ppo(
-        tmp_path / "run", demo_cache, *SMALL, "--steps", "3", "--resume_from_checkpoint", str(root / "step-2"), *change
+        tmp_path / "run", demo_assets, *SMALL, "--steps", "3", "--resume_from_checkpoint", str(root / "step-2"), *change
     )
     if allowed:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -375,7 +375,7 @@ def _adapter_from(tmp_path: Path, stage: str, model: str | None) -> Path:
     ],
 )
 def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
-    tmp_path: Path, demo_cache: Path, stage: str, trained_on: str, message: str
+    tmp_path: Path, demo_assets: Path, stage: str, trained_on: str, message: str
 ) -> None:
     result = run_script(
         "evaluate_sentiment.py",
@@ -383,8 +383,8 @@ def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
         CONFIGS / "demo" / "eval.yaml",
         "--model_name_or_path",
         "demo://lm",
-        "--demo_cache_dir",
-        demo_cache,
+        "--demo_assets",
+        demo_assets,
         "--adapter_dir",
         _adapter_from(tmp_path, stage, trained_on),
         "--output_dir",
@@ -395,21 +395,21 @@ def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_adapter_check_compares_resolved_paths(tmp_path: Path, demo_cache: Path, demo_root: Path) -> None:
+def test_the_adapter_check_compares_resolved_paths(tmp_path: Path, demo_assets: Path) -> None:
     from fitrl.checkpoints import check_adapter_base
     from fitrl.config import UsageError
 
     adapter = _adapter_from(tmp_path, "grpo", "demo://reasoner")
-    reasoner = str(demo_root / "reasoner")
+    reasoner = str(demo_assets / "reasoner")
     (adapter / "run_info.json").write_text(json.dumps({"stage": "grpo", "resolved_model_path": reasoner}))
     # the same base named by its path, by a path with a detour, or by its demo:// name: accepted
-    for name in [reasoner, str(demo_root / "lm" / ".." / "reasoner"), "demo://reasoner"]:
+    for name in [reasoner, str(demo_assets / "lm" / ".." / "reasoner"), "demo://reasoner"]:
         check_adapter_base(adapter, name, reasoner, "eval_gsm8k", force=False, producer="grpo")
     with pytest.raises(UsageError, match="was trained on demo://reasoner"):
-        check_adapter_base(adapter, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=False, producer="grpo")
-    check_adapter_base(adapter, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=True, producer="grpo")
+        check_adapter_base(adapter, "demo://lm", str(demo_assets / "lm"), "eval_gsm8k", force=False, producer="grpo")
+    check_adapter_base(adapter, "demo://lm", str(demo_assets / "lm"), "eval_gsm8k", force=True, producer="grpo")
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "adapter_config.json").write_text("{}")
     with pytest.raises(UsageError, match="records no base model"):
-        check_adapter_base(bare, "demo://lm", str(demo_root / "lm"), "eval_gsm8k", force=False, producer="grpo")
+        check_adapter_base(bare, "demo://lm", str(demo_assets / "lm"), "eval_gsm8k", force=False, producer="grpo")

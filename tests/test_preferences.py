@@ -19,12 +19,12 @@ STAGES = [("train_reward.py", "rm.yaml"), ("dpo.py", "dpo.yaml")]
 
 
 @pytest.mark.parametrize("split", ["train", "test"])
-def test_demo_pairs_follow_the_rule_but_for_the_stated_share_of_swapped_labels(demo_root: Path, split: str) -> None:
-    pairs = read_jsonl(demo_root / "preferences" / f"{split}.jsonl")
+def test_demo_pairs_follow_the_rule_but_for_the_stated_share_of_swapped_labels(demo_assets: Path, split: str) -> None:
+    pairs = read_jsonl(demo_assets / "preferences" / f"{split}.jsonl")
     agree = [opinion_polarity(p["chosen"]) > opinion_polarity(p["rejected"]) for p in pairs]
     # Exactly the stated share is swapped in each split, so 1 - FLIPPED_SHARE is the held-out ceiling.
     assert sum(not a for a in agree) == round(demo.FLIPPED_SHARE * len(pairs))
-    assert demo.manifest(demo_root.parent)["pairs_flipped_share"] == demo.FLIPPED_SHARE
+    assert demo.manifest(demo_assets)["pairs_flipped_share"] == demo.FLIPPED_SHARE
     for p in pairs:
         chosen, rejected = p["chosen"].split(". ", 1), p["rejected"].split(". ", 1)
         assert chosen[0] == rejected[0]  # both finish the prompt's sentence alike, then differ
@@ -57,7 +57,7 @@ GOOD = {"prompt": "The film", "chosen": " was wonderful.", "rejected": " was dul
 )
 def test_a_pair_file_a_stage_cannot_learn_from_is_one_line_and_exit_2(
     tmp_path: Path,
-    demo_cache: Path,
+    demo_assets: Path,
     capsys: pytest.CaptureFixture,
     script: str,
     config: str,
@@ -68,7 +68,7 @@ def test_a_pair_file_a_stage_cannot_learn_from_is_one_line_and_exit_2(
     out = tmp_path / "out"
     code = run_main(
         script,
-        *("--config", CONFIGS / "demo" / config, "--demo_cache_dir", demo_cache, "--model_name_or_path", "demo://lm"),
+        *("--config", CONFIGS / "demo" / config, "--demo_assets", demo_assets, "--model_name_or_path", "demo://lm"),
         *("--dataset", _pairs(tmp_path, rows), "--output_dir", out, *flags),
     )
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]

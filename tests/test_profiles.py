@@ -56,13 +56,13 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory, demo_root: Path) -> Path:
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> Path:
     """A Llama-architecture model of a few hundred thousand parameters, with the demo reasoner's tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(demo_root / "reasoner")
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "reasoner")
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -88,7 +88,7 @@ def _stand_in(value: object, tiny_llama: Path) -> object:
     return value
 
 
-def profile_project(root: Path, profile: str, demo_cache: Path, tiny_llama: Path) -> Path:
+def profile_project(root: Path, profile: str, demo_assets: Path, tiny_llama: Path) -> Path:
     """A project directory at `root` with the real scripts, whose one profile is `profile` with stand-ins."""
     for name in ["pipeline.sh", "scripts"]:
         (root / name).symlink_to(ROOT / name)
@@ -99,7 +99,7 @@ def profile_project(root: Path, profile: str, demo_cache: Path, tiny_llama: Path
         values = {k: _stand_in(v, tiny_llama) for k, v in yaml.safe_load(config.read_text()).items()}
         unknown = [v for v in values.values() if isinstance(v, str) and HUB_ID.match(v) and not Path(v).exists()]
         assert not unknown, f"{config}: add a stand-in for {unknown} to STAND_INS"
-        values.update(SHORT.get(config.stem, {}), demo_cache_dir=str(demo_cache))
+        values.update(SHORT.get(config.stem, {}), demo_assets=str(demo_assets))
         values.update(SHORTER.get(profile, {}).get(config.stem, {}))
         (root / "configs" / profile / config.name).write_text(yaml.safe_dump(values, sort_keys=False))
     return root
@@ -108,9 +108,9 @@ def profile_project(root: Path, profile: str, demo_cache: Path, tiny_llama: Path
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", SHIPPED)
 def test_a_shipped_profile_runs_through_the_pipeline(
-    profile: str, tmp_path: Path, demo_cache: Path, tiny_llama: Path
+    profile: str, tmp_path: Path, demo_assets: Path, tiny_llama: Path
 ) -> None:
-    project = profile_project(tmp_path, profile, demo_cache, tiny_llama)
+    project = profile_project(tmp_path, profile, demo_assets, tiny_llama)
     result = bash_pipeline(project, "--profile", profile, timeout=1200)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = project / "outputs" / profile

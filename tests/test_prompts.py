@@ -16,10 +16,10 @@ from fitrl.sentiment import PromptArguments, build_queries
 CUE = "Answer:\n"  # the end of the plain template's prompt: the assistant's cue
 
 
-def _tokenizer(demo_root: Path):
+def _tokenizer(demo_assets: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(demo_root / "lm")
+    return AutoTokenizer.from_pretrained(demo_assets / "lm")
 
 
 def _file(tmp_path: Path, rows: list[dict]) -> str:
@@ -33,9 +33,9 @@ def _chat(question: str) -> dict:
 
 
 def test_chats_render_up_to_the_assistants_cue_and_long_ones_are_dropped_or_cut(
-    tmp_path: Path, demo_root: Path
+    tmp_path: Path, demo_assets: Path
 ) -> None:
-    tokenizer = _tokenizer(demo_root)
+    tokenizer = _tokenizer(demo_assets)
     long_question = "the film was " * 40
     source = _file(tmp_path, [_chat("Was it good?"), _chat(long_question), _chat("Who won?"), {"messages": None}])
     args = PromptArguments(dataset=source, text_column="messages", max_prompt_tokens=32)
@@ -56,8 +56,8 @@ def test_chats_render_up_to_the_assistants_cue_and_long_ones_are_dropped_or_cut(
     assert tokenizer.decode(queries.ids[0]) == "<system>Be brief.<user>Was it good?<assistant>"
 
 
-def test_whole_texts_and_the_imdb_prefix_shaping(tmp_path: Path, demo_root: Path) -> None:
-    tokenizer = _tokenizer(demo_root)
+def test_whole_texts_and_the_imdb_prefix_shaping(tmp_path: Path, demo_assets: Path) -> None:
+    tokenizer = _tokenizer(demo_assets)
     texts = ["A quiet film about a lighthouse keeper.", "Short.", "Another film, loud and long."]
     source = _file(tmp_path, [{"text": t} for t in texts])
     whole = build_queries(tokenizer, PromptArguments(dataset=source, min_prompt_chars=6), str(tmp_path), seed=0)
@@ -83,9 +83,9 @@ def test_whole_texts_and_the_imdb_prefix_shaping(tmp_path: Path, demo_root: Path
     ],
 )  # fmt: skip
 def test_prompt_rows_a_stage_cannot_use_are_one_line(
-    tmp_path: Path, demo_root: Path, rows: list[dict], extra: dict, message: str
+    tmp_path: Path, demo_assets: Path, rows: list[dict], extra: dict, message: str
 ) -> None:
     args = PromptArguments(dataset=_file(tmp_path, rows), text_column="messages", **extra)
     with pytest.raises(UsageError, match="^") as raised:
-        build_queries(_tokenizer(demo_root), args, str(tmp_path), seed=0)
+        build_queries(_tokenizer(demo_assets), args, str(tmp_path), seed=0)
     assert message in str(raised.value) and "\n" not in str(raised.value)

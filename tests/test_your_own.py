@@ -35,13 +35,13 @@ def brevity(completions, **kwargs):
 TINY = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
 
 
-def _models(root: Path, demo_root: Path) -> tuple[Path, Path]:
+def _models(root: Path, demo_assets: Path) -> tuple[Path, Path]:
     """A tiny Qwen2-style policy with a ChatML template, and a scalar (one-output) reward model whose
     tokenizer has no pad token, as many on the hub are."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(demo_root / "lm")
+    tokenizer = AutoTokenizer.from_pretrained(demo_assets / "lm")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.eos_token, tokenizer.chat_template = "<|im_end|>", CHATML
     config = Qwen2Config(
@@ -103,8 +103,8 @@ def _fitrl(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path: Path, demo_root: Path) -> None:
-    policy, scorer = _models(tmp_path, demo_root)
+def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path: Path, demo_assets: Path) -> None:
+    policy, scorer = _models(tmp_path, demo_assets)
     _data(tmp_path)
     _configs(tmp_path, policy, scorer)
 

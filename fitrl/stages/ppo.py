@@ -212,7 +212,7 @@ def reward_model(configs: Configs) -> RewardModel | None:
 
     model, cache = (
         config_of(configs, ModelArguments).model_name_or_path,
-        config_of(configs, DemoArguments).demo_cache_dir,
+        config_of(configs, DemoArguments).demo_assets,
     )
     try:  # before the stages that write them, the policy's model or the adapter may not exist yet
         base = separate_base(
