@@ -7,11 +7,11 @@
 #   bash pipeline.sh --profile qwen0.5b-16gb  # SFT, RM, PPO, DPO and GRPO for Qwen2.5-0.5B-Instruct in 16 GB
 #   bash pipeline.sh --help                   # stages, profiles, launchers, options, examples
 #
-# The logic is in scripts/pipeline.py; the environment variables PROFILE, STAGES, RUN_DIR, LAUNCH,
+# The logic is in fitrl/scripts/pipeline.py; the environment variables PROFILE, STAGES, RUN_DIR, LAUNCH,
 # FORCE=1 and DRY_RUN=1 do what the options do.
 set -euo pipefail
 cd "$(dirname "$0")"
 # The project's virtual environment (`make setup`) when there is one, else the python on PATH.
 PYTHON=python
 if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
-exec "$PYTHON" scripts/pipeline.py "$@"
+exec "$PYTHON" -m fitrl.scripts.pipeline "$@"

@@ -3,7 +3,7 @@
     python bench/merge_memory.py                 # ~300 MB fp32 GPT-NeoX in 25 MB shards
     python bench/merge_memory.py --hidden 1024 --layers 24 --shard-size 100MB
 
-Each merge runs as its own process (scripts/merge_adapter.py), so the figures are what a user sees.
+Each merge runs as its own process (scripts/merge.py), so the figures are what a user sees.
 Prints peak RSS (absolute and above the process's start-of-merge level) and wall time for each.
 """
 
@@ -57,7 +57,7 @@ def main() -> None:
             subprocess.run(
                 [
                     sys.executable,
-                    str(ROOT / "scripts" / "merge_adapter.py"),
+                    str(ROOT / "scripts" / "merge.py"),
                     "--adapter_dir",
                     str(tmp / "adapter"),
                     "--base_model",

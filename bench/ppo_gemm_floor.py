@@ -3,7 +3,7 @@
     python bench/ppo_gemm_floor.py                          # fp32, after `python bench/ppo_vs_trl011.py --json ...`
     python bench/ppo_gemm_floor.py --quantization 8bit --peer bench/results/ppo_vs_trl011_cpu.json
 
-Runs fitrl's `ppo_sentiment.py` in this process (as Python runs a script) on the benchmark's model
+Runs fitrl's `ppo.py` in this process (as Python runs a script) on the benchmark's model
 and settings, and profiles one step after the warm-up (step 3) phase by phase with `torch.profiler`,
 through the package functions each phase calls (sampling, `fitrl.ppo_step`): each phase's wall
 time (the profiler's overhead included) and the time its matrix products (`addmm`, `mm`, `bmm`,
@@ -98,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp) / "model", demo, settings.seed)
         seen = profile_phases(step_to_profile=2)
-        script = str(ROOT / "scripts" / "ppo_sentiment.py")
+        script = str(ROOT / "scripts" / "ppo.py")
         sys.argv = [script, *fitrl_argv(settings, Path(tmp) / "model", args.quantization, Path(tmp))]
         runpy.run_path(script, run_name="__main__")
     step = sum(p["time_s"] for p in seen.values())

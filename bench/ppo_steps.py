@@ -3,7 +3,7 @@
     python bench/ppo_steps.py --config configs/demo/ppo.yaml --steps 5
     python bench/ppo_steps.py --config configs/neox20b-24gb/ppo.yaml --steps 3   # on the GPU
 
-Extra flags go to scripts/ppo_sentiment.py (e.g. --batch_size 64). Runs it as a user would, into a
+Extra flags go to scripts/ppo.py (e.g. --batch_size 64). Runs it as a user would, into a
 temporary directory, then reads its metrics.jsonl. The first step includes warm-up and is reported apart.
 """
 
@@ -29,7 +29,7 @@ def main() -> None:
         out = Path(tmp) / "ppo"
         cmd = [
             sys.executable,
-            str(ROOT / "scripts" / "ppo_sentiment.py"),
+            str(ROOT / "scripts" / "ppo.py"),
             "--config",
             args.config,
             "--steps",

@@ -64,7 +64,7 @@ def build_model(path: Path, demo: Path, seed: int) -> int:
 
 
 def fitrl_argv(args: argparse.Namespace, model: Path, quantization: str, work: Path) -> list[str]:
-    """`ppo_sentiment.py`'s arguments for the benchmark's settings, writing to `work/fitrl`."""
+    """`ppo.py`'s arguments for the benchmark's settings, writing to `work/fitrl`."""
     return [
         *("--model_name_or_path", str(model), "--quantization", quantization, "--dtype", "float32"),
         *("--lora_r", "16", "--lora_alpha", "32", "--lora_dropout", "0.05"),
@@ -84,7 +84,7 @@ def fitrl_argv(args: argparse.Namespace, model: Path, quantization: str, work: P
 
 def run_fitrl(args: argparse.Namespace, model: Path, quantization: str, work: Path) -> dict:
     out = work / "fitrl"
-    cmd = [sys.executable, str(ROOT / "scripts" / "ppo_sentiment.py"), *fitrl_argv(args, model, quantization, work)]
+    cmd = [sys.executable, str(ROOT / "scripts" / "ppo.py"), *fitrl_argv(args, model, quantization, work)]
     run_quietly(cmd, args.threads)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     memory = json.loads((out / "run_info.json").read_text())["memory"]

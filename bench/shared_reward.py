@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def measure(run_dir: Path, shared: bool, steps: int, work: Path) -> dict:
     out = work / ("shared" if shared else "separate")
     cmd = [
-        sys.executable, str(ROOT / "scripts" / "ppo_sentiment.py"), "--config", str(ROOT / "configs/demo/ppo.yaml"),
+        sys.executable, str(ROOT / "scripts" / "ppo.py"), "--config", str(ROOT / "configs/demo/ppo.yaml"),
         "--model_name_or_path", str(run_dir / "merged"), "--reward_adapter", str(run_dir / "rm"),
         "--reward_adapter_shared", str(shared).lower(), "--steps", str(steps), "--guard_judge_model", "",
         "--output_dir", str(out),

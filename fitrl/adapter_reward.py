@@ -40,7 +40,7 @@ def _score_weights(state: dict[str, torch.Tensor], adapter_dir: Path) -> dict[st
     if "weight" not in head:
         raise UsageError(
             f"{adapter_dir} holds no score head: it is not a reward model of the rm stage; train one with "
-            "scripts/train_reward.py or give reward_model a classifier"
+            "`fitrl rm` or give reward_model a classifier"
         )
     return head
 

@@ -3,7 +3,7 @@
 A "24 GB" RTX 4090 reports 23.64 GiB to torch, a "16 GB" RTX 3080 Laptop 15.73 GiB: the capacity
 below is `torch.cuda.get_device_properties(0).total_memory` as CUDA's out-of-memory message prints it
 ("GPU 0 has a total capacity of ..."), each with the public report it was read from. Drivers move it
-by a few hundredths of a GiB. A card that also feeds a display holds less again: `plan_memory.py
+by a few hundredths of a GiB. A card that also feeds a display holds less again: `plan.py
 --reserve_gb` takes that off (nvidia-smi shows what other processes hold).
 """
 

@@ -12,7 +12,8 @@
 A training stage is launched as `accelerate launch` (one process unless `--num_processes` or an
 accelerate `--config_file` says otherwise) runs it, and the command exits with the stage's own code:
 a usage error is its one `error:` line and exit 2, not accelerate's traceback and exit 1. Everything
-after the stage's name, but those two, goes to the stage. `accelerate launch scripts/<stage>.py` and
+after the stage's name, but those two, goes to the stage, which runs as `python -m fitrl.scripts.<stage>` from
+the installed package wherever the command runs. `accelerate launch scripts/<stage>.py` in a checkout and
 `bash pipeline.sh` keep working as before.
 """
 
@@ -26,10 +27,9 @@ from pathlib import Path
 
 from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
 
-ROOT = Path(__file__).resolve().parents[1]
 TOOLS = {  # name: (the arguments to python, what it does)
-    "pipeline": ([str(ROOT / "scripts" / "pipeline.py")], "every stage of a profile in one run directory"),
-    "plan": ([str(ROOT / "scripts" / "plan_memory.py")], "the memory plan of a stage's config on a card"),
+    "pipeline": (["-m", "fitrl.scripts.pipeline"], "every stage of a profile in one run directory"),
+    "plan": (["-m", "fitrl.scripts.plan"], "the memory plan of a stage's config on a card"),
     "doctor": (["-m", "fitrl.doctor"], "what would stop a profile's run, in seconds"),
     "report": (["-m", "fitrl.report"], "rebuild a run directory's report.md and report.html"),
 }
@@ -43,7 +43,7 @@ def usage() -> str:
     lines = ["usage: fitrl <stage or tool> [options]", "", "stages (their options: fitrl <stage> --help):"]
     for stage in STAGES:
         how = "accelerate launch" if stage.training else "one process"
-        lines.append(f"  {stage.name:<{width}}  scripts/{stage.script} ({how})")
+        lines.append(f"  {stage.name:<{width}}  {stage.module} ({how})")
     lines += ["", "tools:"]
     lines += [f"  {name:<{width}}  {what}" for name, (_, what) in TOOLS.items()]
     lines += ["", "a training stage also takes --num_processes N and --config_file <accelerate config>"]
@@ -147,13 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     if name not in NAMES:
         fail(f"unknown stage or tool '{name}'; known: {' '.join([*NAMES, *TOOLS])} (fitrl --help)")
     stage = get(name)
-    script = ROOT / "scripts" / stage.script
-    if not script.is_file():
-        fail(f"{script} is missing: fitrl runs from its checkout (pip install -e .)")
     if not stage.training:
-        raise SystemExit(run_filtered([sys.executable, str(script), *rest]))
+        raise SystemExit(run_filtered([sys.executable, "-m", stage.module, *rest]))
     options, rest = split_launch_options(rest)
-    raise SystemExit(run_filtered(executable([*launcher(options), str(script), *rest])))
+    raise SystemExit(run_filtered(executable([*launcher(options), "-m", stage.module, *rest])))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from typing import Any
 
 from fitrl.config import UsageError, first_line
 
-ROOT = Path(__file__).resolve().parents[1]
+REQUIREMENTS = Path(__file__).resolve().parents[1] / "requirements.txt"  # a checkout's tested pins; a wheel has none
 MiB, GiB = 2**20, 2**30
 ROWS_CHECKED = 64  # a dataset's first rows, read as the stage reads them
 # The settings that name a model a stage loads (a reward model only where no rm adapter replaces it).
@@ -298,7 +298,7 @@ def diagnose(profile: Path, run_dir: Path, gpu_name: str | None = None, out: Any
     from fitrl.stages.base import config_of
 
     f = Findings(out)
-    check_packages(f, ROOT / "requirements.txt")
+    check_packages(f, REQUIREMENTS)
     free = check_device(f)
     gpu = int(card(gpu_name).capacity_gib * GiB) if gpu_name else free
     reachable: list[bool] = []

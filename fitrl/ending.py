@@ -105,7 +105,7 @@ def model_card(end: TrainingEnd, out: Path) -> str:
         "---",
         f"# {end.title}",
         "",
-        f"A LoRA adapter trained by fitrl's `{end.stage}` stage (`scripts/{stage.script}`) on `{base}`"
+        f"A LoRA adapter trained by fitrl's `{end.stage}` stage (`fitrl {end.stage}`) on `{base}`"
         + (f" with `{data}`." if data else "."),
         "Its resolved settings are `run_config.yaml`; what it measured, `run_info.json` and `metrics.jsonl`.",
         "",

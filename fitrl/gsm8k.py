@@ -1,6 +1,6 @@
 """The GSM8K task of the GRPO stage: problems with a numeric gold answer, their chat prompts, the metric.
 
-Shared by `scripts/grpo_gsm8k.py` (training) and `scripts/evaluate_gsm8k.py` (evaluation). The answer
+Shared by `fitrl.scripts.grpo` (training) and `scripts/eval_gsm8k.py` (evaluation). The answer
 format lives in `fitrl.answer_format`, the rewards that check it in `fitrl.rewards`, and sampling
 completions in `fitrl.rollout`.
 """

@@ -1,6 +1,6 @@
 """How a stage is launched: training stages through `accelerate launch`, the rest as one process, with
 the stage's own exit code kept (accelerate reports any failed child as 1; the stage records its code,
-2 for bad input, in the file `STATUS_FILE_ENV` names). `scripts/pipeline.py` and the `fitrl` command
+2 for bad input, in the file `STATUS_FILE_ENV` names). `fitrl.scripts.pipeline` and the `fitrl` command
 both launch this way."""
 
 from __future__ import annotations

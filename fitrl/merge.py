@@ -4,7 +4,7 @@
 adapted weight in fp32, writes the merged shard and frees it: peak memory is about one shard plus
 the adapter's low-rank factors. It handles what peft's `merge_and_unload` does for LoRA: rsLoRA
 scaling, rank/alpha patterns, fan-in-fan-out (GPT-2 Conv1D) weights, LoRA biases and modules_to_save.
-`in_memory_merge` is peft's own merge, the reference the tests compare against. `scripts/merge_adapter.py`
+`in_memory_merge` is peft's own merge, the reference the tests compare against. `fitrl.scripts.merge`
 is the CLI around them.
 """
 

@@ -1,4 +1,4 @@
-"""Will it fit? The peak memory of an SFT, PPO or GRPO run, before a single weight loads.
+"""Will it fit? The peak memory of a training stage (SFT, reward model, PPO, DPO, GRPO), before a weight loads.
 
 The plan has two kinds of parts:
 

@@ -1,6 +1,6 @@
 """One PPO step after sampling, as functions of (model, batch, settings): the experience and the update.
 
-`scripts/ppo_sentiment.py` runs them in its loop, and `fitrl.memtrace` traces the very same calls
+`fitrl.scripts.ppo` runs them in its loop, and `fitrl.memtrace` traces the very same calls
 for the memory planner, so a change to the step moves the plan with it. The maths is in `fitrl.ppo`.
 
 - `PolicyAndValue`: the LoRA policy and the value head as one module (DDP averages both).

@@ -1,6 +1,6 @@
 """The sentiment task of the PPO stage: review prompts and the classifier reward.
 
-Shared by `scripts/ppo_sentiment.py` (training) and `scripts/evaluate_sentiment.py` (evaluation).
+Shared by `fitrl.scripts.ppo` (training) and `fitrl.scripts.eval` (evaluation).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared fixtures: offline mode, one demo build per session, and running scripts as a user would."""
+"""Shared fixtures: offline mode, the shipped demo assets, and running scripts as a user would."""
 
 from __future__ import annotations
 
@@ -143,13 +143,12 @@ def demo_project(
     overrides: dict[str, dict] | None = None,
     stages: list[str] | None = None,
 ) -> Path:
-    """A project directory at `root` with the real scripts and launchers, whose one profile is the demo's
-    configs (each stage's `overrides` applied; only `stages` if given) under the name `profile`, reading
-    the session's demo build."""
+    """A project directory at `root` with the checkout's `pipeline.sh` and launchers, whose one profile is
+    the demo's configs (each stage's `overrides` applied; only `stages` if given) under the name
+    `profile`, reading the shipped demo assets. The stages run from the package (`fitrl.scripts`)."""
     import yaml
 
-    for name in ["pipeline.sh", "scripts"]:
-        (root / name).symlink_to(ROOT / name)
+    (root / "pipeline.sh").symlink_to(ROOT / "pipeline.sh")
     (root / "configs").mkdir()
     (root / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")
     configs = root / "configs" / profile

@@ -31,7 +31,7 @@ def reward_model(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) ->
     """A reward model trained for two steps on the demo LM, PPO's test base."""
     out = tmp_path_factory.mktemp("rm") / "rm"
     result = run_script(
-        "train_reward.py",
+        "rm.py",
         *("--config", CONFIGS / "demo" / "rm.yaml", "--demo_assets", demo_assets, "--output_dir", out),
         *("--model_name_or_path", "demo://lm", "--max_steps", "2", "--max_eval_samples", "8"),
     )
@@ -93,7 +93,7 @@ def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
     out = tmp_path / "ppo"
     common = ["--demo_assets", demo_assets, "--reward_adapter", reward_model]
     result = run_script(
-        "ppo_sentiment.py",
+        "ppo.py",
         *("--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://lm", "--output_dir", out),
         *("--steps", "2", "--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8", *common),
     )
@@ -102,7 +102,7 @@ def test_ppo_and_its_evaluation_score_with_the_reward_adapter(
     assert info["frozen_base_verified"]  # the base and the reward adapter, hashed before and after
     assert not (out / "reward").exists()  # only the policy's adapter is written
     evaluation = run_script(
-        "evaluate_sentiment.py",
+        "eval.py",
         *("--config", CONFIGS / "demo" / "eval.yaml", "--adapter_dir", out, "--output_dir", tmp_path / "eval"),
         *("--n_prompts", "8", "--demo_assets", demo_assets),
     )
@@ -120,7 +120,7 @@ def test_a_reward_model_of_another_base_is_loaded_beside_the_policy_and_planned(
     """The rm adapter was trained on the demo LM; PPO's policy here is the demo reasoner."""
     out = tmp_path / "ppo"
     result = run_script(
-        "ppo_sentiment.py",
+        "ppo.py",
         *("--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://reasoner"),
         *("--output_dir", out, "--demo_assets", demo_assets, "--reward_adapter", reward_model),
         *("--steps", "2", "--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size", "8"),

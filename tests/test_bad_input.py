@@ -29,7 +29,7 @@ def _fails(capsys: pytest.CaptureFixture, script: str, *args: str | Path) -> str
 
 def _sft(capsys: pytest.CaptureFixture, tmp_path: Path, demo_assets: Path, *extra: str | Path) -> str:
     out = tmp_path / "out"
-    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
+    line = _fails(capsys, "sft.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--output_dir", out, "--max_steps", "1", *extra)  # fmt: skip
     assert not out.exists() and not (tmp_path / ".out.partial").exists()
     return line
@@ -56,7 +56,7 @@ def test_a_model_that_needs_its_own_code_is_refused_without_running_it(
     (model / "custom.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     line = _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
     assert "cannot load a tokenizer" in line or "needs its own Python code" in line, line
-    plan = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
+    plan = _fails(capsys, "plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
     assert "cannot plan for model" in plan and "config.json cannot be read" in plan
     assert not marker.exists()
 
@@ -90,7 +90,7 @@ def test_a_malformed_config_json_is_one_line_for_the_stage_and_the_planner(
     model = _model_copy(demo_assets, tmp_path)
     (model / "config.json").write_text('{"model_type": "gpt_neox", ')
     assert "not a valid JSON file" in _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
-    plan = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
+    plan = _fails(capsys, "plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
     assert "config.json cannot be read" in plan
 
 
@@ -120,7 +120,7 @@ def test_an_output_name_longer_than_a_file_name_can_be(
     tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
     out = tmp_path / ("x" * 250)
-    line = _fails(capsys, "sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
+    line = _fails(capsys, "sft.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--output_dir", out)  # fmt: skip
     assert "is 250 bytes long" in line and "shorten it" in line
     assert list(tmp_path.iterdir()) == []
@@ -154,7 +154,7 @@ def adapter(tmp_path: Path, demo_assets: Path) -> Path:
 
 def _merge(capsys: pytest.CaptureFixture, adapter: Path, demo_assets: Path) -> str:
     out = adapter.parent / "merged"
-    line = _fails(capsys, "merge_adapter.py", "--config", CONFIGS / "demo" / "merge.yaml", "--demo_assets",
+    line = _fails(capsys, "merge.py", "--config", CONFIGS / "demo" / "merge.yaml", "--demo_assets",
                   demo_assets, "--adapter_dir", adapter, "--output_dir", out)  # fmt: skip
     assert not out.exists()
     return line
@@ -191,7 +191,7 @@ def test_an_adapter_whose_weights_cannot_load_is_one_line_before_the_model_loads
     (adapter / "run_info.json").write_text(json.dumps({"stage": "grpo"}))  # as the GSM8K evaluation wants
     out = adapter.parent / "eval"
     args = ["--config", CONFIGS / "demo" / "eval_gsm8k.yaml", "--demo_assets", demo_assets, "--output_dir", out]
-    line = _fails(capsys, "evaluate_gsm8k.py", *args, "--model_name_or_path", "demo://lm", "--adapter", adapter)
+    line = _fails(capsys, "eval_gsm8k.py", *args, "--model_name_or_path", "demo://lm", "--adapter", adapter)
     expected = {"no weights": "has no adapter_model.safetensors", "truncated weights": "damaged"}
     assert expected.get(damage, "holds objects other than tensors") in line, line
     assert not marker.exists() and not out.exists()
@@ -226,7 +226,7 @@ def test_a_run_directory_that_cannot_be_made_is_one_line(tmp_path: Path) -> None
 def test_the_planner_refuses_a_gpu_size_that_is_no_number(
     value: str, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    line = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
+    line = _fails(capsys, "plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                   "--gpu_memory_gb", value)  # fmt: skip
     assert "must be a finite number > 0" in line
 
@@ -238,7 +238,7 @@ def test_the_planner_says_when_shapes_overflow(
     config = json.loads((model / "config.json").read_text())
     config.update(hidden_size=2**40, intermediate_size=2**45, vocab_size=2**40, num_attention_heads=2**10)
     (model / "config.json").write_text(json.dumps(config))
-    line = _fails(capsys, "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
+    line = _fails(capsys, "plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
     assert "overflow 64-bit sizes" in line
 
 
@@ -251,7 +251,7 @@ def test_a_plan_allocates_nothing_in_proportion_to_the_model(demo_assets: Path) 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
-    cmd = [sys.executable, str(ROOT / "scripts" / "plan_memory.py"), "--config", str(CONFIGS / "demo" / "sft.yaml")]
+    cmd = [sys.executable, str(ROOT / "scripts" / "plan.py"), "--config", str(CONFIGS / "demo" / "sft.yaml")]
     result = subprocess.run(
         [*cmd, "--demo_assets", str(demo_assets), "--lora_r", "10000000", "--brief"],
         capture_output=True,

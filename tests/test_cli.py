@@ -98,12 +98,12 @@ def test_every_launch_shares_the_machines_cores_among_its_processes(
     config = tmp_path / "ddp.yaml"
     config.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\n")
     commands = {
-        "python scripts/merge_adapter.py": 8,
-        "accelerate launch --quiet --num_processes 1 scripts/sft_lora.py": 8,
-        "accelerate launch --num_processes 2 scripts/sft_lora.py": 4,
-        f"accelerate launch --config_file {config} scripts/sft_lora.py": 2,
-        f"accelerate launch --config_file {tmp_path / 'missing.yaml'} scripts/sft_lora.py": 8,
-        "accelerate launch --num_processes 16 scripts/sft_lora.py": 1,
+        "python scripts/merge.py": 8,
+        "accelerate launch --quiet --num_processes 1 scripts/sft.py": 8,
+        "accelerate launch --num_processes 2 scripts/sft.py": 4,
+        f"accelerate launch --config_file {config} scripts/sft.py": 2,
+        f"accelerate launch --config_file {tmp_path / 'missing.yaml'} scripts/sft.py": 8,
+        "accelerate launch --num_processes 16 scripts/sft.py": 1,
     }
     for command, threads in commands.items():
         assert launch.launch_env(command.split())["OMP_NUM_THREADS"] == str(threads), command

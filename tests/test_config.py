@@ -92,12 +92,12 @@ def test_every_profile_parses() -> None:
     ],
 )
 def test_sft_script_rejects_bad_config(override: list[str], message: str) -> None:
-    result = run_script("sft_lora.py", "--config", CONFIGS / "demo" / "sft.yaml", *override)
+    result = run_script("sft.py", "--config", CONFIGS / "demo" / "sft.yaml", *override)
     assert result.returncode == 2
     assert message in error_line(result)
 
 
-@pytest.mark.parametrize(("script", "text"), [("sft_lora.py", "~30% slower"), ("grpo_gsm8k.py", "~30% slower")])
+@pytest.mark.parametrize(("script", "text"), [("sft.py", "~30% slower"), ("grpo.py", "~30% slower")])
 def test_help_shows_every_help_string_as_written(script: str, text: str) -> None:
     result = run_script(script, "--help")
     assert result.returncode == 0, result.stderr[-2000:]

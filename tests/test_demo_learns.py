@@ -218,9 +218,7 @@ def test_the_sentiment_evaluation_reports_every_sample_and_repeats_exactly(demo_
     # the same settings (its own run_config.yaml, paths relative to the project) give the same
     # evaluation, sample for sample
     config = out.relative_to(demo_run.parents[1]) / "run_config.yaml"
-    again = run_script(
-        "evaluate_sentiment.py", "--config", config, "--output_dir", tmp_path / "again", cwd=demo_run.parents[1]
-    )
+    again = run_script("eval.py", "--config", config, "--output_dir", tmp_path / "again", cwd=demo_run.parents[1])
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((tmp_path / "again" / "eval.json").read_text())["samples"] == samples
 

@@ -145,7 +145,7 @@ def grpo_smoke(tmp_path_factory: pytest.TempPathFactory, demo_assets: Path) -> P
     """A 3-step GRPO run on the demo: 8-bit frozen base, LoRA, a KL term to the adapter-off reference."""
     out = tmp_path_factory.mktemp("grpo") / "run"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
         "--demo_assets",
@@ -203,7 +203,7 @@ def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_assets: Path, tmp
     checkpoint = grpo_smoke.with_name("run.checkpoints") / "checkpoint-2"
     out = tmp_path / "resumed"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
         "--demo_assets",
@@ -240,7 +240,7 @@ def test_two_process_ddp_ends_with_identical_adapters(tmp_path: Path, demo_asset
 
     out = tmp_path / "ddp"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
         "--demo_assets",
@@ -276,7 +276,7 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
     )
     out = tmp_path / "eval"
     result = run_script(
-        "evaluate_gsm8k.py",
+        "eval_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "eval_gsm8k.yaml",
         "--demo_assets",
@@ -343,7 +343,7 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
 def test_grpo_bad_config_exits_2(tmp_path: Path, demo_assets: Path, args: list[str], message: str) -> None:
     out = tmp_path / "never"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
         "--demo_assets",
@@ -357,7 +357,7 @@ def test_grpo_bad_config_exits_2(tmp_path: Path, demo_assets: Path, args: list[s
     assert not out.exists() and not out.with_name(".never.partial").exists()
 
 
-@pytest.mark.parametrize("script", ["grpo_gsm8k.py", "evaluate_gsm8k.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "eval_gsm8k.py"])
 def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_assets: Path, script: str) -> None:
     data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "about four"}])
     config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
@@ -380,7 +380,7 @@ def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_assets
 
 def test_evaluate_rejects_a_missing_adapter(tmp_path: Path, demo_assets: Path) -> None:
     result = run_script(
-        "evaluate_gsm8k.py",
+        "eval_gsm8k.py",
         "--config",
         CONFIGS / "demo" / "eval_gsm8k.yaml",
         "--demo_assets",
@@ -405,7 +405,7 @@ def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_
     """The seed covers the LoRA init, the sampling and the data order: a second run repeats the first."""
     again = tmp_path / "again"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         "--config",
         CONFIGS / "demo" / "grpo.yaml",
         "--demo_assets",
@@ -461,7 +461,7 @@ def test_sampled_evaluation_repeats_with_the_same_seed(grpo_smoke: Path, demo_as
     runs = []
     for name in ["a", "b"]:
         result = run_script(
-            "evaluate_gsm8k.py",
+            "eval_gsm8k.py",
             "--config",
             CONFIGS / "demo" / "eval_gsm8k.yaml",
             "--demo_assets",
@@ -495,14 +495,14 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, 
     args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out]
     args += [*SMOKE_MODEL, *SMOKE[:-2], "--num_samples_to_show", "0"]
     staged = tmp_path / ".run.partial" / "metrics.jsonl"
-    code, line = sigterm_when("grpo_gsm8k.py", *args, "--max_steps", "500", watch=staged, rows=2)
+    code, line = sigterm_when("grpo.py", *args, "--max_steps", "500", watch=staged, rows=2)
     assert code == 143 and "stopped by SIGTERM after step" in line and "--resume_from_checkpoint latest" in line
     step = int(line.split("after step ")[1].split(";")[0])
     assert step >= 2 and line.split("saved ")[1].startswith(str(tmp_path / "run.checkpoints" / f"checkpoint-{step}"))
     assert (tmp_path / "run.checkpoints" / f"checkpoint-{step}" / "run_config.yaml").is_file()
     assert not out.exists() and not staged.parent.exists()
 
-    result = run_script(*["grpo_gsm8k.py", *args], "--max_steps", str(step + 1), "--resume_from_checkpoint", "latest")
+    result = run_script(*["grpo.py", *args], "--max_steps", str(step + 1), "--resume_from_checkpoint", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == list(range(1, step + 2))
     assert json.loads((out / "run_info.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
@@ -521,7 +521,7 @@ def _grpo_main(out: Path, demo_assets: Path, *extra: str | Path) -> int:
     from conftest import run_main
 
     args = ["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out]
-    return run_main("grpo_gsm8k.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
+    return run_main("grpo.py", *args, *SMOKE_MODEL, "--save_steps", "2", *SMOKE, *extra)
 
 
 def _strict_run_with_template(tmp_path: Path, demo_assets: Path, old: str, new: str, *extra_tokens: str):
@@ -606,7 +606,7 @@ def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(
     (tmp_path / "my_rewards.py").write_text(REPEATED_WORD_REWARD)
     out = tmp_path / "run"
     result = run_script(
-        "grpo_gsm8k.py",
+        "grpo.py",
         *["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out],
         *["--reward_funcs", "my_rewards:repeat_word", "--learning_rate", "2e-3", "--max_steps", "20"],
         *["--guard_heldout_every", "10", "--guard_repetition_max", "0.15", "--num_samples_to_show", "0"],

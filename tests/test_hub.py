@@ -89,7 +89,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn]:
 def test_a_finished_sft_output_lands_in_the_hub_repo_whole(tmp_path: Path, demo_assets: Path, hub: StandIn) -> None:
     out = tmp_path / "sft"
     result = run_script(
-        "sft_lora.py",
+        "sft.py",
         *["--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--output_dir", out],
         *["--max_steps", "1", "--push_to_hub", "true", "--hub_model_id", "me/my-sft"],
     )

@@ -70,7 +70,7 @@ def _adapter(base: Path, tmp: Path, targets: list[str], **lora_kwargs) -> Path:
 def _run(tmp: Path, base: Path, adapter: Path, name: str, *extra: str) -> Path:
     out = tmp / name
     code = run_main(
-        "merge_adapter.py",
+        "merge.py",
         "--adapter_dir",
         adapter,
         "--base_model",
@@ -145,7 +145,7 @@ def test_streaming_peak_memory_is_well_below_in_memory(tmp_path: Path) -> None:
     for method in ["streaming", "in_memory"]:
         out = tmp_path / method
         result = run_script(
-            "merge_adapter.py",
+            "merge.py",
             "--adapter_dir",
             adapter,
             "--base_model",
@@ -164,7 +164,7 @@ def test_streaming_peak_memory_is_well_below_in_memory(tmp_path: Path) -> None:
 
 def _bad(tmp_path: Path, adapter: Path, base: Path, *extra: str):
     out = tmp_path / "out"
-    result = run_script("merge_adapter.py", "--adapter_dir", adapter, "--base_model", base, "--output_dir", out, *extra)
+    result = run_script("merge.py", "--adapter_dir", adapter, "--base_model", base, "--output_dir", out, *extra)
     assert result.returncode == 2, result.stderr[-2000:]
     assert not out.exists() and not (tmp_path / ".out.partial").exists()
     return error_line(result)
@@ -214,7 +214,7 @@ def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
     adapter = _adapter(base, tmp_path, ["query_key_value"])
     out = _run(tmp_path, base, adapter, "once")
     args = ["--adapter_dir", adapter, "--base_model", base, "--output_dir", out, "--dtype", "float32"]
-    assert run_main("merge_adapter.py", *args) == 2
+    assert run_main("merge.py", *args) == 2
     _run(tmp_path, base, adapter, "once", "--overwrite_output_dir", "true")
     assert (out / "config.json").is_file()
 

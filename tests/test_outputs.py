@@ -28,7 +28,7 @@ def test_cwd_its_parents_home_and_root_are_refused_even_with_overwrite(
     monkeypatch.chdir(work)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     target = {"home": str(tmp_path / "home"), "root": "/"}.get(where, where)
-    code = run_main("merge_adapter.py", "--adapter_dir", work, "--output_dir", target, "--overwrite_output_dir", "true")
+    code = run_main("merge.py", "--adapter_dir", work, "--output_dir", target, "--overwrite_output_dir", "true")
     assert code == 2
     assert keep.read_text() == "a user's file"
     with pytest.raises(UsageError, match="current, home or root directory"):
@@ -48,9 +48,7 @@ def test_an_output_overlapping_an_input_is_refused(tmp_path: Path, relation: str
 def test_merge_into_its_own_adapter_dir_keeps_the_adapter(tmp_path: Path) -> None:
     adapter = tmp_path / "sft"
     keep = _precious(adapter)
-    code = run_main(
-        "merge_adapter.py", "--adapter_dir", adapter, "--output_dir", adapter, "--overwrite_output_dir", "true"
-    )
+    code = run_main("merge.py", "--adapter_dir", adapter, "--output_dir", adapter, "--overwrite_output_dir", "true")
     assert code == 2 and keep.is_file()
 
 

@@ -22,27 +22,18 @@ def _pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
     return bash_pipeline(ROOT, *args, **{"DRY_RUN": "1", **env})
 
 
-def _scripts(stdout: str) -> list[str]:
-    return [
-        word.removeprefix("scripts/")
-        for line in stdout.splitlines()
-        for word in line.split()
-        if word.startswith("scripts/")
-    ]
+def _programs(stdout: str) -> list[str]:
+    """The module each command line runs (`-m fitrl.scripts.<stage>`)."""
+    found = []
+    for line in stdout.splitlines():
+        words = line.split()
+        if "-m" in words:
+            found.append(words[words.index("-m") + 1].removeprefix("fitrl.scripts."))
+    return found
 
 
-# Every stage, in the pipeline's order: the demo's and the Qwen profile's
-WHOLE_MENU = [
-    "sft_lora.py",
-    "merge_adapter.py",
-    "train_reward.py",
-    "ppo_sentiment.py",
-    "evaluate_sentiment.py",
-    "dpo.py",
-    "evaluate_sentiment.py",
-    "grpo_gsm8k.py",
-    "evaluate_gsm8k.py",
-]
+# Every stage, in the pipeline's order: the demo's and the Qwen profile's (eval_dpo runs eval's program)
+WHOLE_MENU = ["sft", "merge", "rm", "ppo", "eval", "dpo", "eval", "grpo", "eval_gsm8k"]
 
 
 @pytest.mark.parametrize(
@@ -50,14 +41,14 @@ WHOLE_MENU = [
     [
         ("demo", WHOLE_MENU),
         ("neox20b-24gb", WHOLE_MENU[:6]),  # up to DPO, without its evaluation
-        ("llama1b-16gb", ["grpo_gsm8k.py", "evaluate_gsm8k.py"]),
+        ("llama1b-16gb", ["grpo", "eval_gsm8k"]),
         ("qwen0.5b-16gb", WHOLE_MENU),
     ],
 )
 def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:
     result = _pipeline(PROFILE=profile)
     assert result.returncode == 0, result.stderr
-    assert _scripts(result.stdout) == scripts
+    assert _programs(result.stdout) == scripts
     for line in result.stdout.splitlines()[:-1]:
         assert f"--config configs/{profile}/" in line
         assert (CONFIGS.parent / line.split("--config ")[1].split()[0]).is_file()
@@ -67,8 +58,8 @@ def test_stages_picks_a_subset_and_launch_is_used_for_training() -> None:
     result = _pipeline(STAGES="grpo eval_gsm8k", LAUNCH="accelerate launch --multi_gpu --num_processes 2")
     assert result.returncode == 0, result.stderr
     grpo, evaluation = result.stdout.splitlines()[:2]
-    assert grpo.startswith("accelerate launch --multi_gpu --num_processes 2 scripts/grpo_gsm8k.py")
-    assert evaluation.startswith("python scripts/evaluate_gsm8k.py")
+    assert grpo.startswith("accelerate launch --multi_gpu --num_processes 2 -m fitrl.scripts.grpo ")
+    assert evaluation.startswith("python -m fitrl.scripts.eval_gsm8k ")
 
 
 @pytest.mark.parametrize(
@@ -91,11 +82,10 @@ def test_bad_request_exits_2_with_one_line(env: dict[str, str], message: str) ->
 def test_a_failing_stage_under_accelerate_exits_2_with_one_line(tmp_path: Path, demo_assets: Path) -> None:
     """accelerate reports any failed child as exit 1 with a traceback; the pipeline keeps the stage's own 2."""
     (tmp_path / "configs" / "broken").mkdir(parents=True)
-    for name in ["pipeline.sh", "scripts"]:
-        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / "pipeline.sh").symlink_to(ROOT / "pipeline.sh")
     config = (CONFIGS / "demo" / "ppo.yaml").read_text().replace("outputs/demo/merged", str(tmp_path / "no-such-model"))
     config = config.replace("reward_adapter: outputs/demo/rm", "reward_adapter: null")  # the classifier scores
-    # the session's demo build: the reward model is resolved first, and the default cache is the user's
+    # the shipped demo assets, named: the reward model is resolved first
     (tmp_path / "configs" / "broken" / "ppo.yaml").write_text(config + f"demo_assets: {demo_assets}\n")
     result = subprocess.run(
         ["bash", str(tmp_path / "pipeline.sh")],
@@ -139,7 +129,9 @@ def test_a_projects_own_launcher_is_listed_and_named_like_a_shipped_one(tmp_path
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"--config_file configs/accelerate/{name}.yaml " in result.stdout, result.stdout  # the project's
     shipped = pipeline("--profile", "mine", "--stages", "sft", "--launcher", "fsdp2", "--dry_run")
-    assert f"--config_file {CONFIGS / 'accelerate' / 'fsdp2.yaml'} " in shipped.stdout, shipped.stdout
+    from fitrl.stages import SHIPPED_CONFIGS
+
+    assert f"--config_file {SHIPPED_CONFIGS / 'accelerate' / 'fsdp2.yaml'} " in shipped.stdout, shipped.stdout
 
 
 @pytest.mark.parametrize(
@@ -160,10 +152,10 @@ def test_bad_options_exit_2_with_one_line(args: list[str], message: str) -> None
 
 def test_from_runs_a_stage_and_every_one_after_it() -> None:
     result = _pipeline(PROFILE="demo", STAGES="")
-    everything = _scripts(result.stdout)
+    everything = _programs(result.stdout)
     result = _pipeline("--from", "eval")
-    after_ppo = ["evaluate_sentiment.py", "dpo.py", "evaluate_sentiment.py", "grpo_gsm8k.py", "evaluate_gsm8k.py"]
-    assert _scripts(result.stdout) == everything[4:] == after_ppo
+    after_ppo = ["eval", "dpo", "eval", "grpo", "eval_gsm8k"]
+    assert _programs(result.stdout) == everything[4:] == after_ppo
     assert "--adapter_dir outputs/demo/ppo" in result.stdout.splitlines()[0]  # its input, from the run directory
 
 
@@ -260,7 +252,7 @@ def test_every_accelerate_config_loads_and_validates(config: Path) -> None:
 
     cluster = load_config_from_file(str(config))
     args, _defaults, _mixed = _validate_launch_command(
-        launch_command_parser().parse_args(["--config_file", str(config), "scripts/sft_lora.py"])
+        launch_command_parser().parse_args(["--config_file", str(config), "scripts/sft.py"])
     )
     assert args.num_processes == cluster.num_processes >= 1
     assert config.read_text().startswith("#"), "each launcher config says when to use it and what it costs"
@@ -279,7 +271,7 @@ def test_a_launcher_config_with_an_unknown_key_is_refused(tmp_path: Path) -> Non
 
 
 def test_a_stage_config_the_stage_would_refuse_stops_the_pipeline_with_one_line(tmp_path: Path) -> None:
-    for name in ["pipeline.sh", "scripts"]:
+    for name in ["pipeline.sh"]:
         (tmp_path / name).symlink_to(ROOT / name)
     (tmp_path / "configs" / "bad").mkdir(parents=True)
     (tmp_path / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")

@@ -263,11 +263,11 @@ def test_kv_cache_for_long_completions_matches_unsloths_order_of_magnitude() -> 
 
 
 def _cli(*args: str) -> tuple[int, dict]:
-    """`plan_memory.py ... --json` as a user runs it, in this process: one 20B architecture is traced once
+    """`plan.py ... --json` as a user runs it, in this process: one 20B architecture is traced once
     for the calls that share its shapes, not once per subprocess."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = run_main("plan_memory.py", *args, "--json")
+        code = run_main("plan.py", *args, "--json")
     assert code in (0, 1), out.getvalue()[-2000:]
     return code, json.loads(out.getvalue())
 
@@ -323,9 +323,7 @@ def test_every_qwen_profile_stage_fits_the_smallest_16gb_desktop_card() -> None:
 
 
 def test_cli_traces_the_demo_and_prints_a_table(demo_assets: Path) -> None:
-    result = run_script(
-        "plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--trace"
-    )
+    result = run_script("plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets, "--trace")
     assert result.returncode == 0, result.stderr
     assert "traced at full depth on meta" in result.stdout and "verdict: fits" in result.stdout
 
@@ -342,7 +340,7 @@ def test_cli_traces_the_demo_and_prints_a_table(demo_assets: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, demo_assets: Path) -> None:
-    result = run_script("plan_memory.py", *args, "--demo_assets", demo_assets)
+    result = run_script("plan.py", *args, "--demo_assets", demo_assets)
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], result.stderr
@@ -385,7 +383,7 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
 def test_a_named_card_is_planned_at_what_torch_reports(
     args: list[str], expected: str, demo_assets: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    code = run_main("plan_memory.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
+    code = run_main("plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--demo_assets", demo_assets,
                     "--brief", *args)  # fmt: skip
     out = capsys.readouterr()
     assert code == (2 if expected.startswith("error") else 0)

@@ -24,7 +24,7 @@ SMALL = ["--batch_size", "16", "--forward_batch_size", "16", "--mini_batch_size"
 
 def _ppo(out: Path, demo_assets: Path, *extra: str, launcher: list[str] | None = None):
     return run_script(
-        "ppo_sentiment.py",
+        "ppo.py",
         "--config",
         PPO_YAML,
         "--model_name_or_path",
@@ -148,7 +148,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(tmp_path: Path, demo_assets: P
     out = tmp_path / "run"
     args = ["--config", PPO_YAML, "--model_name_or_path", "demo://lm", "--demo_assets", demo_assets, *CLASSIFIER]
     args += ["--output_dir", out, *SMALL, "--steps", "500", "--save_steps", "0"]
-    code, line = sigterm_when("ppo_sentiment.py", *args, watch=tmp_path / ".run.partial" / "metrics.jsonl", rows=1)
+    code, line = sigterm_when("ppo.py", *args, watch=tmp_path / ".run.partial" / "metrics.jsonl", rows=1)
     assert code == 143 and "stopped by SIGTERM after step" in line, line
     step = int(line.split("after step ")[1].split(";")[0])
     checkpoint = tmp_path / "run.checkpoints" / f"step-{step}"
@@ -261,7 +261,7 @@ def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(
     config = (out / "run_config.yaml").read_text()
     assert f"reward_function: {function}" in config
     evaluated = run_script(
-        "evaluate_sentiment.py",
+        "eval.py",
         *["--config", CONFIGS / "demo" / "eval.yaml", "--model_name_or_path", "demo://lm"],
         *["--demo_assets", demo_assets, "--adapter_dir", out, "--output_dir", tmp_path / "eval"],
         *["--reward_function", function, "--n_prompts", "8", "--batch_size", "8"],
@@ -378,7 +378,7 @@ def test_evaluation_refuses_an_adapter_of_another_stage_or_model(
     tmp_path: Path, demo_assets: Path, stage: str, trained_on: str, message: str
 ) -> None:
     result = run_script(
-        "evaluate_sentiment.py",
+        "eval.py",
         "--config",
         CONFIGS / "demo" / "eval.yaml",
         "--model_name_or_path",

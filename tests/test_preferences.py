@@ -15,7 +15,7 @@ from fitrl.outputs import read_jsonl
 
 from conftest import CONFIGS, run_main
 
-STAGES = [("train_reward.py", "rm.yaml"), ("dpo.py", "dpo.yaml")]
+STAGES = [("rm.py", "rm.yaml"), ("dpo.py", "dpo.yaml")]
 
 
 @pytest.mark.parametrize("split", ["train", "test"])

@@ -90,7 +90,7 @@ def _stand_in(value: object, tiny_llama: Path) -> object:
 
 def profile_project(root: Path, profile: str, demo_assets: Path, tiny_llama: Path) -> Path:
     """A project directory at `root` with the real scripts, whose one profile is `profile` with stand-ins."""
-    for name in ["pipeline.sh", "scripts"]:
+    for name in ["pipeline.sh"]:
         (root / name).symlink_to(ROOT / name)
     (root / "configs").mkdir()
     (root / "configs" / "accelerate").symlink_to(CONFIGS / "accelerate")

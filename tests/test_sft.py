@@ -20,7 +20,7 @@ SFT_YAML = CONFIGS / "demo" / "sft.yaml"
 
 def _sft(out: Path, demo_assets: Path, *extra: str, launcher: list[str] | None = None):
     return run_script(
-        "sft_lora.py",
+        "sft.py",
         "--config",
         SFT_YAML,
         "--demo_assets",
@@ -156,7 +156,7 @@ def test_a_direct_run_accelerate_launch_and_the_fitrl_command_write_the_same_ada
     from fitrl.config import cpu_cores
 
     args = ["--config", SFT_YAML, "--demo_assets", demo_assets, "--max_steps", "3", "--report_to", "none"]
-    script = str(CONFIGS.parent / "scripts" / "sft_lora.py")
+    script = str(CONFIGS.parent / "scripts" / "sft.py")
     runs = {
         "direct": ([sys.executable, script], {}),
         "accelerate": ([*accelerate_launch(1), script], {"OMP_NUM_THREADS": str(cpu_cores())}),
@@ -184,7 +184,7 @@ def test_the_same_seed_gives_the_same_adapter_whatever_ran_before(tmp_path: Path
         torch.rand(7)
         out = tmp_path / f"run{junk_seed}"
         args = ["--config", SFT_YAML, "--demo_assets", demo_assets, "--output_dir", out, "--max_steps", "2"]
-        assert run_main("sft_lora.py", *args, "--report_to", "none") == 0
+        assert run_main("sft.py", *args, "--report_to", "none") == 0
         digests.append((out / "adapter_model.safetensors").read_bytes())
     assert digests[0] == digests[1]
 

@@ -1,8 +1,8 @@
 """The stages of fitrl, in pipeline order: the one list every tool reads.
 
 Each module holds a stage's argument dataclasses and its `STAGE` record (`fitrl.stages.base.Stage`):
-its place in the pipeline, its memory workload and suggestions, its report figures. Its script in
-`scripts/` tells the stage's story. `docs/architecture.md` says how to add one.
+its place in the pipeline, its memory workload and suggestions, its report figures. Its program in
+`fitrl/scripts/` tells the stage's story. `docs/architecture.md` says how to add one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ STAGES: tuple[Stage, ...] = (
     eval_gsm8k.STAGE,
 )
 NAMES = tuple(s.name for s in STAGES)
-SHIPPED_CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # the checkout's configs/
+# The shipped profiles: in a checkout `fitrl/configs` links to its `configs/`, and a wheel holds a copy of it.
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PLANNABLE = tuple(s.name for s in STAGES if s.memory is not None)
 
 

@@ -70,7 +70,7 @@ class Stage:
     """One stage of the recipe: its settings, its place in the pipeline, its memory, its report."""
 
     name: str
-    script: str  # in scripts/
+    module: str  # its program, run as `python -m <module>` (`scripts/<stage>.py` is a thin entry to it)
     config_types: tuple[type, ...]
     output_dir: str  # its directory inside a run directory
     figures: Callable[[Path], list[str]]  # its key results, read back from its output directory
@@ -90,7 +90,7 @@ class Stage:
     side_by_side: Callable[[Path], dict[str, str]] | None = None
 
     def parse(self, argv: Sequence[str] | None = None) -> Configs:
-        """The stage's settings from `--config` and flags, exactly as its script reads them."""
+        """The stage's settings from `--config` and flags, exactly as its program reads them."""
         argv = list(sys.argv[1:] if argv is None else argv)
         defaults = self.inherited(argv) if self.inherited else None
         return parse_config(self.config_types, argv, defaults)

@@ -1,7 +1,7 @@
 """The DPO stage: a LoRA adapter on a frozen (8-bit) base learns straight from preference pairs, with
 the same base and the adapter off as its reference (trl's `DPOTrainer`): no reward model, no sampling.
 
-Script: `scripts/dpo.py`. Writes the adapter, the tokenizer, `eval.json` (held-out implicit-reward
+Program: `fitrl.scripts.dpo`. Writes the adapter, the tokenizer, `eval.json` (held-out implicit-reward
 accuracy and margin), `dpo_curves.png`; checkpoints `checkpoint-N` (trl's). Its policy is evaluated
 like PPO's by the `eval_dpo` stage, on the same held-out prompts.
 """
@@ -109,7 +109,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="dpo",
-    script="dpo.py",
+    module="fitrl.scripts.dpo",
     config_types=CONFIG_TYPES,
     output_dir="dpo",
     figures=figures,

@@ -1,7 +1,7 @@
 """The eval_dpo stage: the DPO policy against its reference on held-out prompts, exactly as `eval` judges
 PPO's (the same script, prompts, reward, judge and KL), so the report sets the two side by side.
 
-Script: `scripts/evaluate_sentiment.py`. The DPO run has no prompt or reward settings of its own: its
+Program: `fitrl.scripts.eval`. The DPO run has no prompt or reward settings of its own: its
 config names them. Writes `eval.json`, `eval.md`, `reward_hist.png`.
 """
 

@@ -1,6 +1,6 @@
 """The eval_gsm8k stage: GSM8K accuracy with and without the GRPO adapter (greedy, or pass@k).
 
-Script: `scripts/evaluate_gsm8k.py`. Writes `completions.jsonl` and `summary.json`.
+Script: `scripts/eval_gsm8k.py`. Writes `completions.jsonl` and `summary.json`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="eval_gsm8k",
-    script="evaluate_gsm8k.py",
+    module="fitrl.scripts.eval_gsm8k",
     config_types=CONFIG_TYPES,
     output_dir="eval_gsm8k",
     figures=figures,

@@ -1,6 +1,6 @@
 """The eval stage: the PPO policy against its reference on held-out prompts (reward, judge, KL, win rate).
 
-Script: `scripts/evaluate_sentiment.py`. Reads the PPO run's settings (its `run_config.yaml`) as
+Program: `fitrl.scripts.eval`. Reads the PPO run's settings (its `run_config.yaml`) as
 defaults, so it answers prompts the way the policy was trained to. Writes `eval.json`, `eval.md`.
 """
 
@@ -106,7 +106,7 @@ def side_by_side(out: Path) -> dict[str, str]:
 
 STAGE = Stage(
     name="eval",
-    script="evaluate_sentiment.py",
+    module="fitrl.scripts.eval",
     config_types=CONFIG_TYPES,
     output_dir="eval",
     figures=figures,

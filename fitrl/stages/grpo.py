@@ -1,6 +1,6 @@
 """The GRPO stage: a LoRA adapter learns GSM8K's answer format and arithmetic from group-relative rewards.
 
-Script: `scripts/grpo_gsm8k.py` (trl's `GRPOTrainer`, fitrl's rewards and prompts). Writes the
+Program: `fitrl.scripts.grpo` (trl's `GRPOTrainer`, fitrl's rewards and prompts). Writes the
 adapter, `grpo_curves.png`, `samples.md`; checkpoints `checkpoint-N` (trl's).
 """
 
@@ -32,7 +32,7 @@ from fitrl.stages.base import (
 )
 from fitrl.workload import Workload
 
-REPETITION_KEY = "completions/repetition"  # logged by the first reward function (scripts/grpo_gsm8k.py)
+REPETITION_KEY = "completions/repetition"  # logged by the first reward function (fitrl.scripts.grpo)
 
 
 @dataclass
@@ -228,7 +228,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="grpo",
-    script="grpo_gsm8k.py",
+    module="fitrl.scripts.grpo",
     config_types=CONFIG_TYPES,
     output_dir="grpo",
     figures=figures,

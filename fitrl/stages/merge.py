@@ -1,6 +1,6 @@
 """The merge stage: fold the SFT LoRA adapter into the base weights, shard by shard.
 
-Script: `scripts/merge_adapter.py` (the maths in `fitrl.merge`). Writes a full-precision model.
+Program: `fitrl.scripts.merge` (the maths in `fitrl.merge`). Writes a full-precision model.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="merge",
-    script="merge_adapter.py",
+    module="fitrl.scripts.merge",
     config_types=CONFIG_TYPES,
     output_dir="merged",
     figures=figures,

@@ -1,6 +1,6 @@
 """The PPO stage: a LoRA policy and a value head on one (8-bit) backbone, against a reward model.
 
-Script: `scripts/ppo_sentiment.py`; its step (experience, update) is `fitrl.ppo_step`, its maths
+Program: `fitrl.scripts.ppo`; its step (experience, update) is `fitrl.ppo_step`, its maths
 `fitrl.ppo`. Writes the policy adapter and value head; checkpoints `step-N`.
 """
 
@@ -248,7 +248,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="ppo",
-    script="ppo_sentiment.py",
+    module="fitrl.scripts.ppo",
     config_types=CONFIG_TYPES,
     output_dir="ppo",
     figures=figures,

@@ -1,7 +1,7 @@
 """The reward-model stage: a LoRA adapter and a scalar score head on a frozen (8-bit) base learn to rank
 preference pairs (Bradley-Terry, trl's `RewardTrainer`).
 
-Script: `scripts/train_reward.py`. Writes the adapter with its score head (peft's `modules_to_save`),
+Program: `fitrl.scripts.rm`. Writes the adapter with its score head (peft's `modules_to_save`),
 the tokenizer, `eval.json` (held-out pair accuracy, margins), `rewards_hist.png`, `loss.png`;
 checkpoints `checkpoint-N` (trl's). PPO can score with it on its own backbone (`reward_adapter`).
 """
@@ -98,7 +98,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="rm",
-    script="train_reward.py",
+    module="fitrl.scripts.rm",
     config_types=CONFIG_TYPES,
     output_dir="rm",
     figures=figures,

@@ -1,6 +1,6 @@
 """The SFT stage: LoRA causal-LM fine-tuning of a frozen (8-bit) base on packed text blocks.
 
-Script: `scripts/sft_lora.py` (trl's `SFTTrainer`). Writes the adapter, the tokenizer, `loss.png`.
+Program: `fitrl.scripts.sft` (trl's `SFTTrainer`). Writes the adapter, the tokenizer, `loss.png`.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="sft",
-    script="sft_lora.py",
+    module="fitrl.scripts.sft",
     config_types=CONFIG_TYPES,
     output_dir="sft",
     figures=figures,

@@ -7,10 +7,10 @@ and frees it: peak memory is about one shard plus the adapter. It never merges i
 weights: it reads the full-precision checkpoint files. This script checks the inputs, runs the
 merge, verifies it if asked and writes the model card.
 
-    python scripts/merge_adapter.py --config configs/demo/merge.yaml
-    python scripts/merge_adapter.py --config configs/neox20b-24gb/merge.yaml --verify true
+    python scripts/merge.py --config configs/demo/merge.yaml
+    python scripts/merge.py --config configs/neox20b-24gb/merge.yaml --verify true
     # peft's in-memory merge (needs the whole model in RAM), the reference the tests compare against
-    python scripts/merge_adapter.py --config configs/demo/merge.yaml --method in_memory
+    python scripts/merge.py --config configs/demo/merge.yaml --method in_memory
 
 Writes to `output_dir`: sharded safetensors + index, config.json, generation config, tokenizer, a
 model card (README.md), `run_config.yaml` and `run_info.json` (peak RSS, time, verification).
@@ -147,7 +147,7 @@ tags: [fitrl, lora-merged]
 # Merged model
 
 The base model `{info["base_model"]}` with the LoRA adapter from `{info["adapter_dir"]}` folded into its
-weights by fitrl's `scripts/merge_adapter.py`.
+weights by fitrl's `scripts/merge.py`.
 
 | | |
 |---|---|

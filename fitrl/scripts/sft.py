@@ -5,13 +5,13 @@ The recipe of "Fine-tuning 20B LLMs with RLHF on a 24GB consumer GPU": the base 
 the reviews are packed into fixed-length blocks so no compute is spent on padding.
 
     # the embedded demo, on a CPU in about a minute
-    accelerate launch scripts/sft_lora.py --config configs/demo/sft.yaml
+    accelerate launch scripts/sft.py --config configs/demo/sft.yaml
     # the real job: gpt-neox-20b in 8-bit on one 24 GB card
-    accelerate launch scripts/sft_lora.py --config configs/neox20b-24gb/sft.yaml
+    accelerate launch scripts/sft.py --config configs/neox20b-24gb/sft.yaml
     # two processes with DDP (also on a CPU machine, over gloo)
-    accelerate launch --multi_gpu --num_processes 2 scripts/sft_lora.py --config configs/demo/sft.yaml
+    accelerate launch --multi_gpu --num_processes 2 scripts/sft.py --config configs/demo/sft.yaml
     # continue a stopped run from its last checkpoint
-    accelerate launch scripts/sft_lora.py --config configs/neox20b-24gb/sft.yaml --resume_from_checkpoint latest
+    accelerate launch scripts/sft.py --config configs/neox20b-24gb/sft.yaml --resume_from_checkpoint latest
 
 Any key of the YAML file can be overridden on the command line, e.g. `--max_steps 50`.
 Writes to `output_dir`: the adapter (peft), the tokenizer, `run_config.yaml`, `run_info.json`,

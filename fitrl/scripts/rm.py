@@ -7,11 +7,11 @@ when the data give one. The score head is trained and saved with the adapter (pe
 score with it without loading a second model.
 
     # the embedded demo, on a CPU in under a minute
-    accelerate launch scripts/train_reward.py --config configs/demo/rm.yaml
+    accelerate launch scripts/rm.py --config configs/demo/rm.yaml
     # gpt-neox-20b in 8-bit on one 24 GB card, on the merged SFT model
-    accelerate launch scripts/train_reward.py --config configs/neox20b-24gb/rm.yaml
+    accelerate launch scripts/rm.py --config configs/neox20b-24gb/rm.yaml
     # continue a stopped run from its last checkpoint
-    accelerate launch scripts/train_reward.py --config configs/neox20b-24gb/rm.yaml --resume_from_checkpoint latest
+    accelerate launch scripts/rm.py --config configs/neox20b-24gb/rm.yaml --resume_from_checkpoint latest
 
 Writes to `output_dir`: the adapter with the score head, the tokenizer, `eval.json` (held-out pair
 accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yaml`, `run_info.json`,

@@ -5,16 +5,16 @@ builds the model's architecture on the `meta` device (nothing is allocated, noth
 the configs of popular models ship with fitrl) and prints the bytes of every part, the phase where
 the peak happens, and whether it fits.
 
-    python scripts/plan_memory.py --config configs/llama1b-16gb/grpo.yaml --gpu "RTX 3080 Laptop 16GB"
+    python scripts/plan.py --config configs/llama1b-16gb/grpo.yaml --gpu "RTX 3080 Laptop 16GB"
     # a desktop card that also feeds a display: what nvidia-smi shows the other processes holding
-    python scripts/plan_memory.py --config configs/neox20b-24gb/sft.yaml --gpu "RTX 4090" --reserve_gb 0.4
-    python scripts/plan_memory.py --config configs/neox20b-24gb/ppo.yaml --architecture EleutherAI/gpt-neox-20b
+    python scripts/plan.py --config configs/neox20b-24gb/sft.yaml --gpu "RTX 4090" --reserve_gb 0.4
+    python scripts/plan.py --config configs/neox20b-24gb/ppo.yaml --architecture EleutherAI/gpt-neox-20b
     # what to change to fit a 16 GB card, as flags the stage takes
-    python scripts/plan_memory.py --config configs/neox20b-24gb/sft.yaml --gpu_memory_gb 16 --suggest
+    python scripts/plan.py --config configs/neox20b-24gb/sft.yaml --gpu_memory_gb 16 --suggest
     # any model, any stage, from flags alone; full fine-tuning for comparison; JSON for scripts
-    python scripts/plan_memory.py --stage grpo --model_name_or_path Qwen/Qwen2.5-7B --finetuning full --json
+    python scripts/plan.py --stage grpo --model_name_or_path Qwen/Qwen2.5-7B --finetuning full --json
     # check the plan: the full depth traced on `meta`, per phase
-    python scripts/plan_memory.py --config configs/demo/grpo.yaml --trace
+    python scripts/plan.py --config configs/demo/grpo.yaml --trace
 
 Exit status: 0 when the run fits, 1 when it does not, 2 for bad input.
 """

@@ -9,14 +9,14 @@ fitrl loads the model (bf16, 8-bit or 4-bit base, frozen) and builds the prompts
 `beta > 0` the reference log-probs come from the same model with the adapter disabled.
 
     # the embedded demo, on a CPU in a few minutes (a tiny model that has seen the answer format)
-    accelerate launch scripts/grpo_gsm8k.py --config configs/demo/grpo.yaml
+    accelerate launch scripts/grpo.py --config configs/demo/grpo.yaml
     # Llama-3.2-1B-Instruct on one 16 GB card
-    accelerate launch scripts/grpo_gsm8k.py --config configs/llama1b-16gb/grpo.yaml
+    accelerate launch scripts/grpo.py --config configs/llama1b-16gb/grpo.yaml
     # your own reward function beside GSM8K's accuracy, weighted
-    accelerate launch scripts/grpo_gsm8k.py --config configs/demo/grpo.yaml \
+    accelerate launch scripts/grpo.py --config configs/demo/grpo.yaml \
         --reward_funcs accuracy my_rewards.py:brevity --reward_weights 1.0 0.2
     # continue a stopped run from its last checkpoint
-    accelerate launch scripts/grpo_gsm8k.py --config configs/llama1b-16gb/grpo.yaml --resume_from_checkpoint latest
+    accelerate launch scripts/grpo.py --config configs/llama1b-16gb/grpo.yaml --resume_from_checkpoint latest
 
 vLLM generation (`--use_vllm true`, colocated on the training GPU) is optional and off by default:
 it needs `pip install vllm` and a CUDA GPU, and nothing else in fitrl depends on it.

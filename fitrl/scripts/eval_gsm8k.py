@@ -5,11 +5,11 @@ Completions are generated in batches from the same prompt as training (system me
 loaded from its local path, so offline works) with the rewards' own number parsing.
 
     # the demo: the GRPO adapter against the model it started from, on the held-out problems
-    python scripts/evaluate_gsm8k.py --config configs/demo/eval_gsm8k.yaml
+    python scripts/eval_gsm8k.py --config configs/demo/eval_gsm8k.yaml
     # Llama-3.2-1B-Instruct + the GRPO adapter on the GSM8K test split
-    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml
+    python scripts/eval_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml
     # the base model alone: no adapter
-    python scripts/evaluate_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml \
+    python scripts/eval_gsm8k.py --config configs/llama1b-16gb/eval_gsm8k.yaml \
         --adapter null --output_dir outputs/llama1b-16gb/eval_gsm8k-base
 
 Writes to `output_dir`: `completions.jsonl` (question, gold, completion, parsed answer, correct, format

@@ -7,9 +7,9 @@ adapter disabled. Both answer the same held-out queries with the same response l
 scores both (`judge_model`: the proxy-vs-gold check of reward over-optimisation), and the share of
 response words that are words of the training corpus tells text of the corpus's kind from word salad.
 
-    python scripts/evaluate_sentiment.py --config configs/demo/eval.yaml
-    python scripts/evaluate_sentiment.py --config configs/neox20b-24gb/eval.yaml --n_prompts 512
-    python scripts/evaluate_sentiment.py --config configs/demo/eval_dpo.yaml   # the DPO policy, same prompts
+    python scripts/eval.py --config configs/demo/eval.yaml
+    python scripts/eval.py --config configs/neox20b-24gb/eval.yaml --n_prompts 512
+    python scripts/eval.py --config configs/demo/eval_dpo.yaml   # the DPO policy, same prompts
 
 Writes to `output_dir`: `eval.json` (summary and per-sample rows), `eval.md` (a short table and
 side-by-side samples) and `reward_hist.png`.

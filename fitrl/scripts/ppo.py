@@ -5,11 +5,11 @@ the same forward with the adapter disabled gives the **reference** log-probs (no
 fp32 **value head** reads the policy's last hidden state; the **reward** is a sentiment classifier's
 score of query + response. The maths (GAE, whitening, KL, clipped losses) is in `fitrl.ppo`.
 
-    accelerate launch scripts/ppo_sentiment.py --config configs/demo/ppo.yaml          # CPU, minutes
-    accelerate launch scripts/ppo_sentiment.py --config configs/neox20b-24gb/ppo.yaml  # one 24 GB GPU
-    accelerate launch --multi_gpu --num_processes 2 scripts/ppo_sentiment.py --config ...
+    accelerate launch scripts/ppo.py --config configs/demo/ppo.yaml          # CPU, minutes
+    accelerate launch scripts/ppo.py --config configs/neox20b-24gb/ppo.yaml  # one 24 GB GPU
+    accelerate launch --multi_gpu --num_processes 2 scripts/ppo.py --config ...
     # continue a killed run
-    accelerate launch scripts/ppo_sentiment.py --config ... --resume_from_checkpoint latest
+    accelerate launch scripts/ppo.py --config ... --resume_from_checkpoint latest
 
 Writes to `output_dir`: the policy adapter, `value_head.safetensors`, `run_config.yaml`, `run_info.json`,
 `metrics.jsonl`, `ppo_curves.png` and `samples.md`. Checkpoints go to `<output_dir>.checkpoints/`,
