@@ -24,7 +24,7 @@ from fitrl.demo import DemoArguments
 from fitrl.memtrace import build_trainable, measure_step
 from fitrl.modeling import ModelArguments, load_causal_lm, resolve_model_path
 from fitrl.stages.base import config_of
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,13 +53,16 @@ def small(kind: str, layers: int = 4):
 
 
 SMALL = {
-    "sft lora fp32": Workload("sft", dtype="float32", micro_batch=4, completion_len=256),
-    "sft full fp32": Workload("sft", dtype="float32", finetuning="full", micro_batch=2, completion_len=256),
+    "sft lora fp32": Workload("sft", Step.NEXT_TOKEN, dtype="float32", micro_batch=4, completion_len=256),
+    "sft full fp32": Workload(
+        "sft", Step.NEXT_TOKEN, dtype="float32", finetuning="full", micro_batch=2, completion_len=256
+    ),
     "sft lora bf16 ckpt": Workload(
-        "sft", dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=256
+        "sft", Step.NEXT_TOKEN, dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=256
     ),
     "ppo lora fp32": Workload(
         "ppo",
+        Step.PPO,
         dtype="float32",
         micro_batch=16,
         prompt_len=8,
@@ -71,6 +74,7 @@ SMALL = {
     ),
     "grpo lora fp32 ckpt": Workload(
         "grpo",
+        Step.GRPO,
         dtype="float32",
         gradient_checkpointing=True,
         micro_batch=4,

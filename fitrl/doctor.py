@@ -321,14 +321,14 @@ def diagnose(profile: Path, run_dir: Path, gpu_name: str | None = None, out: Any
                     seen_models.add(model)
                     check_model(f, model, config_of(configs, DemoArguments).demo_assets, hub)
             check_data(f, stage, configs, hub, seen_data)
-            if stage.memory is None and stage.name != "merge":
+            if stage.memory is None and not stage.writes_full_model:
                 continue
             try:
                 arch = _architecture(configs, stages[:i], Path(tmp))
             except UsageError as e:
                 f.note(f"{stage.name}: no memory plan ({e})")
                 continue
-            if stage.memory is None:  # the merge writes the base it merged into, whole
+            if stage.writes_full_model:  # the base it merged into, whole
                 merged = arch
             else:
                 check_plan(f, stage, configs, arch, gpu, named=gpu_name is not None)

@@ -96,7 +96,7 @@ def model_card(end: TrainingEnd, out: Path) -> str:
     stage = get(end.stage)
     base = config_of(end.configs, ModelArguments).model_name_or_path
     data = next((c.dataset for c in end.configs if isinstance(getattr(c, "dataset", None), str)), None)
-    auto = "AutoModelForSequenceClassification" if end.stage == "rm" else "AutoModelForCausalLM"
+    auto = stage.card_model_class
     lines = [
         "---",
         f"base_model: {base}",
@@ -119,16 +119,12 @@ def model_card(end: TrainingEnd, out: Path) -> str:
         "from peft import PeftModel",
         f"from transformers import {auto}",
         "",
-        f'base = {auto}.from_pretrained("{base}"' + (", num_labels=1)" if end.stage == "rm" else ")"),
+        f'base = {auto}.from_pretrained("{base}"{stage.card_model_kwargs})',
         'model = PeftModel.from_pretrained(base, "<this folder or its hub id>")',
         "```",
     ]
-    if end.stage == "ppo":
-        lines += [
-            "",
-            "The value head PPO trained beside the policy is `value_head.safetensors` (a `Linear(hidden, 1)`'s "
-            "`weight` and `bias`: `safetensors.torch.load_file`).",
-        ]
+    for note in stage.card_notes:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 

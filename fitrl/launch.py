@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fitrl.config import STATUS_FILE_ENV, cpu_cores
+from fitrl.process import STATUS_FILE_ENV, cpu_cores
 
 # One process, no mixed precision or compilation unless a config asks: what every profile is sized for.
 DEFAULT_LAUNCH = "accelerate launch --quiet --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no"

@@ -39,17 +39,15 @@ from fitrl.modeling import SCORE_HEAD, unloaded_bitsandbytes_hidden
 from fitrl.ppo_step import Experience, PolicyAndValue, adapter_disabled, experience_chunk, micro_step_loss
 from fitrl.rollout import Rollout
 from fitrl.stages.ppo import PPOArguments
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What trl 1.16's SFTTrainer and GRPOTrainer ask of their fused LM head (the logits are never built whole).
+# What trl 1.16's SFT, DPO and GRPO trainers ask of their fused LM head (the logits are never built whole).
 FUSED_HEAD_OUTPUTS = {
-    "sft": ("log_probs", "entropy", "is_top1"),
-    "grpo": ("log_probs", "entropy"),
-    "dpo": ("log_probs", "entropy", "mean_logits", "is_top1"),
+    Step.NEXT_TOKEN: ("log_probs", "entropy", "is_top1"),
+    Step.GRPO: ("log_probs", "entropy"),
+    Step.DPO: ("log_probs", "entropy", "mean_logits", "is_top1"),
 }
-# The reward-model stage trains a scalar head in place of the LM head (a sequence classifier).
-SCORE_STAGES = ("rm",)
 
 
 class _KbitMatmul(torch.autograd.Function):
@@ -134,7 +132,7 @@ def build_trainable(
         model = base
     else:
         auto = AutoModelForCausalLM
-        if w.stage in SCORE_STAGES:
+        if w.step is Step.PAIRWISE_SCORE:  # a scalar head in place of the LM head (a sequence classifier)
             auto, config = AutoModelForSequenceClassification, copy.copy(config)
             config.num_labels = 1
         with torch.device(device):
@@ -147,10 +145,10 @@ def build_trainable(
         if not w.quantized and w.finetuning == "lora":
             model.enable_input_require_grads()
         model.config.use_cache = False
-    if w.stage in FUSED_HEAD_OUTPUTS:  # trl's trainers patch the model with their tiled LM head
+    if w.step in FUSED_HEAD_OUTPUTS:  # trl's trainers patch the model with their tiled LM head
         from trl.trainer.utils import add_fused_lm_head
 
-        add_fused_lm_head(model, temperature=w.temperature, outputs=FUSED_HEAD_OUTPUTS[w.stage])
+        add_fused_lm_head(model, temperature=w.temperature, outputs=FUSED_HEAD_OUTPUTS[w.step])
     # The adapter and value head are made on `device` itself: made on the CPU and moved, a plan on `meta`
     # would allocate them for real (lora_r 10000000 took gigabytes).
     if w.finetuning == "lora":
@@ -168,7 +166,7 @@ def _with_lora(model: nn.Module, w: Workload, device: str | torch.device) -> nn.
     with unloaded_bitsandbytes_hidden(), torch.device(device):
         from peft import LoraConfig, get_peft_model
 
-        task = "SEQ_CLS" if w.stage in SCORE_STAGES else "CAUSAL_LM"  # SEQ_CLS trains the score head too
+        task = "SEQ_CLS" if w.step is Step.PAIRWISE_SCORE else "CAUSAL_LM"  # SEQ_CLS trains the score head too
         lora = LoraConfig(r=w.lora_r, lora_alpha=2 * w.lora_r, target_modules=targets, task_type=task)
         model = get_peft_model(model, lora)
         if w.reward_adapter:
@@ -334,15 +332,17 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
     model.train()
     ids = _tokens(w.micro_batch, w.seq_len, device, vocab)
     mask = torch.ones_like(ids)
-    if w.stage == "sft":  # trl's SFTTrainer: the mean negative log-prob from the fused head
+    if w.step is Step.NEXT_TOKEN:  # trl's SFTTrainer: the mean negative log-prob from the fused head
         out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
         loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
-    elif w.stage == "ppo":  # `fitrl.ppo_step.micro_step_loss` on a micro-batch of experience
+    elif w.step is Step.PPO:  # `fitrl.ppo_step.micro_step_loss` on a micro-batch of experience
         loss, _stats = micro_step_loss(model, _experience(w, ids, device), PPO_SETTINGS)
-    elif w.stage == "rm":  # trl's RewardTrainer: the chosen and rejected halves of one batch, Bradley-Terry
+    elif (
+        w.step is Step.PAIRWISE_SCORE
+    ):  # trl's RewardTrainer: the chosen and rejected halves of one batch, Bradley-Terry
         chosen, rejected = model(input_ids=ids, attention_mask=mask).logits[:, 0].chunk(2)
         loss = -F.logsigmoid(chosen - rejected).mean()
-    elif w.stage == "dpo":  # trl's DPOTrainer: the policy's log-probs, then the reference's (adapter off)
+    elif w.step is Step.DPO:  # trl's DPOTrainer: the policy's log-probs, then the reference's (adapter off)
         logps, _entropy = _fused_logprobs(model, ids, mask, w.completion_len)
         ref = torch.zeros_like(logps)  # precomputed before training
         if w.reference_pass:
@@ -351,7 +351,7 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
         ratios = (logps - ref).sum(-1)
         chosen, rejected = ratios.chunk(2)
         loss = -F.logsigmoid(0.1 * (chosen - rejected)).mean()
-    else:  # grpo, trl's dapo loss with one iteration: ratio exp(logp - logp.detach())
+    else:  # Step.GRPO, trl's dapo loss with one iteration: ratio exp(logp - logp.detach())
         logps, _entropy = _fused_logprobs(model, ids, mask, w.completion_len)
         advantages = torch.zeros(w.micro_batch, 1, device=device)
         loss = -(torch.exp(logps - logps.detach()) * advantages).mean()
@@ -375,10 +375,10 @@ def trace_step(
                 generation(model, w, device, vocab)
         elif w.gen_batch:
             generation_peak(model, w, device, vocab, tracker)
-        if w.stage == "ppo" and w.nograd_batch:
+        if w.step is Step.PPO and w.nograd_batch:
             with tracker.phase("no-grad pass"):
                 nograd_pass(model, w, device, vocab)
-        if w.stage == "grpo" and w.reference_pass:
+        if w.step is Step.GRPO and w.reference_pass:
             with tracker.phase("no-grad pass"):
                 grpo_logprob_pass(model, w, device, vocab)
         with tracker.phase("training step"):

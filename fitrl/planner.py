@@ -241,7 +241,7 @@ class Plan:
             "peak_phase": self.peak_phase,
             "fits": self.fits,
             "kv_cache_bytes": self.kv_cache_bytes,
-            "workload": asdict(self.workload),
+            "workload": {**asdict(self.workload), "step": self.workload.step.value},
         }
         if self.suggestions:  # overrides in the stage's own keys, closest first, and the peak each gives
             out["suggestions"] = [s["overrides"] for s in self.suggestions]

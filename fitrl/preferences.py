@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fitrl.config import UsageError, check, config_dict, help_field
+from fitrl.config import UsageError, check, config_dict, config_of, help_field
 from fitrl.data import check_columns, load_dataset_any
 
 
@@ -137,17 +137,17 @@ class PairInputs:
     checkpoints_existed: bool
 
 
-def pair_inputs(configs: Sequence[Any], checkpoint_prefix: str, what: str) -> PairInputs:
+def pair_inputs(configs: Sequence[Any], args: Any, checkpoint_prefix: str, what: str) -> PairInputs:
     """A preference stage's preflight: the output directory, the checkpoint to resume, the model's
-    tokenizer and every pair, each a one-line usage error before anything heavy loads."""
+    tokenizer and every pair, each a one-line usage error before anything heavy loads. `args` is the
+    stage's trainer settings among `configs` (`fitrl.stages.base.TrainerSettings`)."""
     from fitrl.checkpoints import checkpoint_root, resume_checkpoint
     from fitrl.demo import DemoArguments
     from fitrl.modeling import ModelArguments, load_tokenizer, resolve_model_path
     from fitrl.outputs import check_output_dir
-    from fitrl.stages.base import TrainerSettings, config_of  # imported here: the stage modules import this one
 
     model_args, data_args = config_of(configs, ModelArguments), config_of(configs, PreferenceArguments)
-    demo_args, args = config_of(configs, DemoArguments), config_of(configs, TrainerSettings)
+    demo_args = config_of(configs, DemoArguments)
     inputs = [model_args.model_name_or_path, data_args.dataset, args.resume_from_checkpoint]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     resume = resume_checkpoint(

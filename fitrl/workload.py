@@ -6,14 +6,27 @@ A leaf (no torch): each stage module (`fitrl.stages`) builds its `Workload` from
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class Step(enum.Enum):
+    """The loss one training micro-step computes, as the trainer behind a stage computes it: what
+    `fitrl.memtrace` traces. A stage's `Workload` names its step; nothing reads a stage's name for it."""
+
+    NEXT_TOKEN = "next_token"  # trl's SFTTrainer: the mean negative log-prob from its fused LM head
+    PAIRWISE_SCORE = "bradley_terry"  # trl's RewardTrainer: a scalar head, Bradley-Terry on chosen/rejected
+    DPO = "dpo_loss"  # trl's DPOTrainer: the policy's log-probs, then the reference's (adapter off)
+    PPO = "ppo_clip"  # fitrl's `ppo_step.micro_step_loss` on experience, after a no-grad pass
+    GRPO = "grpo_loss"  # trl's GRPOTrainer (its dapo loss), after the reference's log-probs when it has one
 
 
 @dataclass(frozen=True)
 class Workload:
     """What one step of a stage allocates depends on: the settings and shapes, in tokens and sequences."""
 
-    stage: str  # sft | ppo | grpo
+    stage: str  # the stage's name, as the plan is titled
+    step: Step  # what its training micro-step computes
     quantization: str = "none"  # none | 8bit | 4bit
     dtype: str = "bfloat16"  # the compute dtype: float32 | bfloat16 | float16
     finetuning: str = "lora"  # lora | full

@@ -89,7 +89,7 @@ def test_tools_run_with_their_own_options(demo_assets: Path) -> None:
 def test_every_launch_shares_the_machines_cores_among_its_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What a direct run of a stage takes (`fitrl.config.thread_rule`: every core), a launched one gets too:
+    """What a direct run of a stage takes (`fitrl.process.thread_rule`: every core), a launched one gets too:
     the cores divided among the processes its command starts, unless OMP_NUM_THREADS says otherwise."""
     from fitrl import launch
 

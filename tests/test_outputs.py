@@ -10,7 +10,7 @@ import pytest
 from fitrl.config import UsageError
 from fitrl.outputs import OUTPUT_MARKER, check_output_dir, staged_output_dir
 
-from conftest import run_main
+from conftest import CONFIGS, run_main
 
 
 def _precious(directory: Path) -> Path:
@@ -117,3 +117,30 @@ def test_a_second_run_on_a_busy_output_is_refused_and_the_first_keeps_its_work(t
                 pass
         assert (staging / "half.txt").is_file()
     assert (out / "half.txt").read_text() == "the first run's work"
+
+
+@pytest.mark.parametrize(
+    ("stage", "loads", "note"),
+    [
+        ("sft", 'AutoModelForCausalLM.from_pretrained("demo://lm")', None),
+        ("rm", 'AutoModelForSequenceClassification.from_pretrained("outputs/demo/merged", num_labels=1)', None),
+        ("ppo", 'AutoModelForCausalLM.from_pretrained("outputs/demo/merged")', "value_head.safetensors"),
+    ],
+)
+def test_a_model_card_loads_the_base_as_its_stage_record_says(
+    tmp_path: Path, stage: str, loads: str, note: str | None
+) -> None:
+    """The card's snippet comes from the stage's record (`card_model_class`, `card_model_kwargs`,
+    `card_notes`): a reward model loads as a one-label sequence classifier, PPO names its value head."""
+    from fitrl.ending import TrainingEnd, model_card
+    from fitrl.stages import get
+
+    configs = get(stage).parse(["--config", str(CONFIGS / "demo" / f"{stage}.yaml")])
+    end = TrainingEnd(
+        stage=stage, configs=configs, model_path="x", world_size=1, trained={}, save_weights=lambda out: None,
+        tokenizer=None, trainable_parameters=1, memory={}, metrics=[], curves=[], plot="p.png", title="T",
+        summary="s",
+    )  # fmt: skip
+    card = model_card(end, tmp_path)
+    assert f"base = {loads}\n" in card, card
+    assert (note in card) if note else "value_head" not in card

@@ -17,7 +17,7 @@ from fitrl.config import UsageError
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors, tensor_bytes
 from fitrl.memtrace import build_trainable, make_optimizer, measure_step, trace_step
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 from conftest import CONFIGS, run_main, run_script
 
@@ -120,7 +120,13 @@ def test_static_bytes_equal_the_real_tensors(
     opt.step()
 
     w = Workload(
-        "sft", quantization=quantization, dtype=dtype, lora_r=8, lora_targets=tuple(targets), optimizer=optimizer
+        "sft",
+        Step.NEXT_TOKEN,
+        quantization=quantization,
+        dtype=dtype,
+        lora_r=8,
+        lora_targets=tuple(targets),
+        optimizer=optimizer,
     )
     planned = planner.static_bytes(tiny_config(kind), w)
     assert planned["weights"] == real_weights
@@ -160,7 +166,7 @@ def test_the_reward_model_is_planned_as_it_loads(demo_assets: Path, dtype: str, 
 
 def test_full_finetuning_static_bytes_equal_the_real_tensors() -> None:
     config = tiny_config("llama")
-    w = Workload("sft", dtype="bfloat16", finetuning="full", optimizer="adamw")
+    w = Workload("sft", Step.NEXT_TOKEN, dtype="bfloat16", finetuning="full", optimizer="adamw")
     model = build_trainable(config, w, "cpu")
     opt = make_optimizer(model, "adamw")
     for p in model.parameters():
@@ -174,13 +180,14 @@ def test_full_finetuning_static_bytes_equal_the_real_tensors() -> None:
 
 
 WORKLOADS = {
-    "sft-lora": Workload("sft", dtype="float32", micro_batch=4, completion_len=128),
-    "sft-full": Workload("sft", dtype="float32", finetuning="full", micro_batch=2, completion_len=128),
+    "sft-lora": Workload("sft", Step.NEXT_TOKEN, dtype="float32", micro_batch=4, completion_len=128),
+    "sft-full": Workload("sft", Step.NEXT_TOKEN, dtype="float32", finetuning="full", micro_batch=2, completion_len=128),
     "sft-bf16-checkpointing": Workload(
-        "sft", dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=128
+        "sft", Step.NEXT_TOKEN, dtype="bfloat16", gradient_checkpointing=True, micro_batch=4, completion_len=128
     ),
     "ppo": Workload(
         "ppo",
+        Step.PPO,
         dtype="float32",
         micro_batch=8,
         prompt_len=8,
@@ -192,6 +199,7 @@ WORKLOADS = {
     ),
     "grpo": Workload(
         "grpo",
+        Step.GRPO,
         dtype="float32",
         gradient_checkpointing=True,
         micro_batch=4,
@@ -201,9 +209,9 @@ WORKLOADS = {
         reference_pass=True,
     ),
     # a reward model: a sequence classifier whose score head trains with the adapter; pairs as 2 x 4 texts
-    "rm": Workload("rm", dtype="float32", micro_batch=8, completion_len=48),
+    "rm": Workload("rm", Step.PAIRWISE_SCORE, dtype="float32", micro_batch=8, completion_len=48),
     # DPO: the policy's pass on 2 x 4 texts, then the reference's (adapter off) inside the same step
-    "dpo": Workload("dpo", dtype="float32", micro_batch=8, completion_len=48, reference_pass=True),
+    "dpo": Workload("dpo", Step.DPO, dtype="float32", micro_batch=8, completion_len=48, reference_pass=True),
 }
 
 
@@ -247,7 +255,14 @@ def test_generation_peak_from_prefill_and_last_decode_step_equals_every_step_tra
 
 def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
     config = architecture("EleutherAI/gpt-neox-20b")
-    w = Workload("sft", quantization="8bit", dtype="float16", lora_targets=("query_key_value",), completion_len=16)
+    w = Workload(
+        "sft",
+        Step.NEXT_TOKEN,
+        quantization="8bit",
+        dtype="float16",
+        lora_targets=("query_key_value",),
+        completion_len=16,
+    )
     model = build_trainable(config, w, "meta", num_layers=2)
     assert all(p.is_meta for p in model.parameters())
     peaks = trace_step(model, w, "meta")
@@ -257,7 +272,7 @@ def test_meta_trace_allocates_nothing_for_a_20b_model() -> None:
 def test_kv_cache_for_long_completions_matches_unsloths_order_of_magnitude() -> None:
     # Unsloth's GRPO breakdown for Llama-3.1-8B at 20K context quotes a 2.5 GB KV cache (bf16, one sequence).
     config = architecture("meta-llama/Llama-3.1-8B")
-    w = Workload("grpo", dtype="bfloat16", prompt_len=0, completion_len=20_000, gen_batch=1)
+    w = Workload("grpo", Step.GRPO, dtype="bfloat16", prompt_len=0, completion_len=20_000, gen_batch=1)
     assert planner.kv_cache_bytes(config, w) == 2 * 32 * 20_000 * 8 * 128 * 2  # 2.62 GB
     assert 2.0e9 < planner.kv_cache_bytes(config, w) < 3.0e9
 

@@ -153,7 +153,7 @@ def test_a_direct_run_accelerate_launch_and_the_fitrl_command_write_the_same_ada
     import subprocess
     import sys
 
-    from fitrl.config import cpu_cores
+    from fitrl.process import cpu_cores
 
     args = ["--config", SFT_YAML, "--demo_assets", demo_assets, "--max_steps", "3", "--report_to", "none"]
     script = str(CONFIGS.parent / "scripts" / "sft.py")

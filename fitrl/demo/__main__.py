@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from fitrl.config import RunFailed, entrypoint
+from fitrl.config import RunFailed
 from fitrl.demo import SHIPPED, manifest, verify
+from fitrl.process import entrypoint
 
 
 @entrypoint

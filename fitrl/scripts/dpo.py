@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.checkpoints import checkpoint_root
-from fitrl.config import entrypoint
+from fitrl.config import config_of
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
@@ -39,6 +39,7 @@ from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_
 from fitrl.outputs import MetricsLog, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
+from fitrl.process import entrypoint
 from fitrl.stages.dpo import EVAL_FILE, STAGE, DPOArguments
 
 
@@ -66,7 +67,7 @@ class Run:
 
 def preflight(configs: tuple[Any, ...]) -> Run:
     """Every input checked before anything heavy loads: the output, the checkpoint, the model, every pair."""
-    return Run(*configs, pair_inputs(configs, STAGE.checkpoint_prefix, "DPO"))
+    return Run(*configs, pair_inputs(configs, config_of(configs, DPOArguments), STAGE.checkpoint_prefix, "DPO"))
 
 
 def build(run: Run) -> None:

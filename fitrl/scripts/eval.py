@@ -24,9 +24,10 @@ import torch
 
 from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import entrypoint, load_run_info, save_run_config
+from fitrl.config import load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
+from fitrl.process import entrypoint
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
     SentimentJudge,

@@ -25,7 +25,7 @@ from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import entrypoint, save_run_config
+from fitrl.config import save_run_config
 from fitrl.data import split_name
 from fitrl.gsm8k import (
     add_prompts,
@@ -37,6 +37,7 @@ from fitrl.gsm8k import (
 )
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.process import entrypoint
 from fitrl.reward_funcs import reward_functions
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats

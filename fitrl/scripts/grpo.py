@@ -35,7 +35,7 @@ from typing import Any
 
 from fitrl.answer_format import ensure_chat_template, render_prompt
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
-from fitrl.config import UsageError, config_dict, entrypoint, first_line
+from fitrl.config import UsageError, config_dict, first_line
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
@@ -56,6 +56,7 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
+from fitrl.process import entrypoint
 from fitrl.reward_funcs import Checked, format_only, reward_functions
 from fitrl.rewards import is_correct
 from fitrl.rollout import complete_chats

@@ -24,13 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.checkpoints import check_adapter_base
-from fitrl.config import (
-    UsageError,
-    entrypoint,
-    load_run_config,
-    save_run_config,
-    save_run_info,
-)
+from fitrl.config import UsageError, load_run_config, save_run_config, save_run_info
 from fitrl.hub import push_output
 from fitrl.memory import PeakRSS
 from fitrl.merge import (
@@ -46,6 +40,7 @@ from fitrl.merge import (
 )
 from fitrl.modeling import load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.process import entrypoint
 from fitrl.stages.merge import STAGE
 
 

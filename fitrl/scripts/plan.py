@@ -29,9 +29,10 @@ from pathlib import Path
 
 from fitrl import planner, stages
 from fitrl.architectures import architecture
-from fitrl.config import ArgumentParser, UsageError, entrypoint, first_line
+from fitrl.config import ArgumentParser, UsageError, first_line
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
+from fitrl.process import entrypoint
 from fitrl.stages.base import config_of
 
 

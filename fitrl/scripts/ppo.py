@@ -37,14 +37,7 @@ from fitrl.checkpoints import (
     load_state,
     resume_checkpoint,
 )
-from fitrl.config import (
-    RunFailed,
-    Terminated,
-    UsageError,
-    config_dict,
-    entrypoint,
-    save_run_config,
-)
+from fitrl.config import RunFailed, Terminated, UsageError, config_dict, save_run_config
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
@@ -73,6 +66,7 @@ from fitrl.modeling import (
 from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir, staging_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.ppo_step import Experience, PolicyAndValue, UpdateStats, make_experience, ppo_update
+from fitrl.process import entrypoint
 from fitrl.rollout import (
     Rollout,
     decode,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fitrl.checkpoints import checkpoint_root
-from fitrl.config import entrypoint
+from fitrl.config import config_of
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.guards import Health
@@ -47,6 +47,7 @@ from fitrl.modeling import (
 from fitrl.outputs import MetricsLog, plot_histograms, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
+from fitrl.process import entrypoint
 from fitrl.stages.rm import EVAL_FILE, STAGE, RMArguments
 
 
@@ -74,7 +75,7 @@ class Run:
 
 def preflight(configs: tuple[Any, ...]) -> Run:
     """Every input checked before anything heavy loads: the output, the checkpoint, the model, every pair."""
-    return Run(*configs, pair_inputs(configs, STAGE.checkpoint_prefix, "reward model"))
+    return Run(*configs, pair_inputs(configs, config_of(configs, RMArguments), STAGE.checkpoint_prefix, "reward model"))
 
 
 def build(run: Run) -> None:

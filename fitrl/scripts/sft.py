@@ -27,7 +27,7 @@ from typing import Any
 
 from fitrl.chat import check_chat, is_chat, use_chat_template
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
-from fitrl.config import config_dict, entrypoint
+from fitrl.config import config_dict
 from fitrl.data import load_dataset_any, require_columns, text_rows
 from fitrl.demo import DemoArguments
 from fitrl.distributed import process_state
@@ -40,6 +40,7 @@ from fitrl.memory import StepPeak, memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
+from fitrl.process import entrypoint
 from fitrl.stages.sft import STAGE, SFTArguments
 
 

@@ -14,15 +14,14 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
-from fitrl.config import check, check_tracker, help_field, parse_config
+from fitrl.config import check, check_tracker, config_of, help_field, parse_config
 from fitrl.hub import HubSettings
 from fitrl.modeling import DEFAULT_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.outputs import METRICS_NAME, read_jsonl
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
-T = TypeVar("T")
 # The one help text of every training stage's `strict_guards`.
 STRICT_GUARDS_HELP = (
     "Stop the run (exit 1) when a guard fires instead of warning once (fitrl.guards: tensors without "
@@ -30,11 +29,6 @@ STRICT_GUARDS_HELP = (
 )
 Configs = tuple[Any, ...]  # a stage's config dataclasses, filled, in the order of its `config_types`
 Moves = list[tuple[str, dict[str, Any]]]  # named changes of settings, in the stage's own flag names
-
-
-def config_of(configs: Sequence[Any], kind: type[T]) -> T:
-    """The config of type `kind` among a stage's filled configs."""
-    return next(c for c in configs if isinstance(c, kind))
 
 
 @dataclass(frozen=True)
@@ -88,6 +82,12 @@ class Stage:
     # An evaluation several stages run on different policies (PPO's, DPO's): its headline figures as
     # table cells, which the report sets side by side, a row per policy.
     side_by_side: Callable[[Path], dict[str, str]] | None = None
+    writes_full_model: bool = False  # a whole model, the size of its base (the merge): the doctor counts its disk
+    # The model card's loading snippet (`fitrl.ending.model_card`): the class the base loads as, the
+    # arguments it takes beyond the base, and what else the output holds.
+    card_model_class: str = "AutoModelForCausalLM"
+    card_model_kwargs: str = ""
+    card_notes: tuple[str, ...] = ()
 
     def parse(self, argv: Sequence[str] | None = None) -> Configs:
         """The stage's settings from `--config` and flags, exactly as its program reads them."""
@@ -153,6 +153,7 @@ def compute_dtype(model_args: ModelArguments, on_gpu: bool) -> str:
 
 def lora_workload(
     stage: str,
+    step: Step,
     configs: Configs,
     model_type: str,
     on_gpu: bool,
@@ -165,6 +166,7 @@ def lora_workload(
     targets = lora_args.lora_target_modules or default_targets.get(model_type, ["all-linear"])
     return Workload(
         stage=stage,
+        step=step,
         quantization=model_args.quantization,
         dtype=compute_dtype(model_args, on_gpu),
         lora_r=lora_args.lora_r,

@@ -31,7 +31,7 @@ from fitrl.stages.base import (
     start_end,
 )
 from fitrl.stages.rm import shape_moves
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 EVAL_FILE = "eval.json"
 
@@ -75,6 +75,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
     args, data = config_of(configs, DPOArguments), config_of(configs, PreferenceArguments)
     return lora_workload(
         "dpo",
+        Step.DPO,
         configs,
         model_type,
         on_gpu,

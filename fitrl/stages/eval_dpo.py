@@ -9,6 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from fitrl.stages import eval_sentiment
+from fitrl.stages.eval_sentiment import STAGE as EVAL
 
-STAGE = dataclasses.replace(eval_sentiment.STAGE, name="eval_dpo", output_dir="eval_dpo", reads=("adapter_dir", "dpo"))
+STAGE = dataclasses.replace(EVAL, name="eval_dpo", output_dir="eval_dpo", reads=("adapter_dir", "dpo"))

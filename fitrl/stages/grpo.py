@@ -30,7 +30,7 @@ from fitrl.stages.base import (
     series,
     start_end,
 )
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 REPETITION_KEY = "completions/repetition"  # logged by the first reward function (fitrl.scripts.grpo)
 
@@ -162,6 +162,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
     steps = args.steps_per_generation or args.gradient_accumulation_steps
     w = lora_workload(
         "grpo",
+        Step.GRPO,
         configs,
         model_type,
         on_gpu,

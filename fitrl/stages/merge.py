@@ -54,6 +54,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="merge",
+    writes_full_model=True,
     module="fitrl.scripts.merge",
     config_types=CONFIG_TYPES,
     output_dir="merged",

@@ -30,7 +30,7 @@ from fitrl.stages.base import (
     series,
     start_end,
 )
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 
 @dataclass
@@ -165,6 +165,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
     args, prompts = config_of(configs, PPOArguments), config_of(configs, PromptArguments)
     return lora_workload(
         "ppo",
+        Step.PPO,
         configs,
         model_type,
         on_gpu,
@@ -248,6 +249,10 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="ppo",
+    card_notes=(
+        "The value head PPO trained beside the policy is `value_head.safetensors` (a `Linear(hidden, 1)`'s "
+        "`weight` and `bias`: `safetensors.torch.load_file`).",
+    ),
     module="fitrl.scripts.ppo",
     config_types=CONFIG_TYPES,
     output_dir="ppo",

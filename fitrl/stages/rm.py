@@ -28,7 +28,7 @@ from fitrl.stages.base import (
     metrics_rows,
     series,
 )
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 EVAL_FILE = "eval.json"
 
@@ -62,6 +62,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
     args, data = config_of(configs, RMArguments), config_of(configs, PreferenceArguments)
     return lora_workload(
         "rm",
+        Step.PAIRWISE_SCORE,
         configs,
         model_type,
         on_gpu,
@@ -98,6 +99,8 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="rm",
+    card_model_class="AutoModelForSequenceClassification",
+    card_model_kwargs=", num_labels=1",
     module="fitrl.scripts.rm",
     config_types=CONFIG_TYPES,
     output_dir="rm",

@@ -24,7 +24,7 @@ from fitrl.stages.base import (
     metrics_rows,
     series,
 )
-from fitrl.workload import Workload
+from fitrl.workload import Step, Workload
 
 
 @dataclass
@@ -59,6 +59,7 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
     args = config_of(configs, SFTArguments)
     return lora_workload(
         "sft",
+        Step.NEXT_TOKEN,
         configs,
         model_type,
         on_gpu,
