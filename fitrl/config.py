@@ -79,7 +79,11 @@ def one_of(value: Any, key: str, choices: Iterable[Any]) -> None:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for fitrl's own commands (the pipeline, the planner): a bad flag is a `UsageError`, so
-    it prints as one line with exit 2 like every other usage error, not argparse's usage and exit."""
+    it prints as one line with exit 2 like every other usage error, not argparse's usage and exit. A
+    flag is taken whole, never as an abbreviation of another (`--stage` is not `--stages`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(message)
@@ -165,6 +169,14 @@ def _check_config_file(args: list[str], dataclass_types: Sequence[type]) -> None
 _NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
+def _split_config_flag(args: list[str]) -> list[str]:
+    """`--config=FILE` as `--config FILE`, the one form trl's parser reads a config file from."""
+    out: list[str] = []
+    for arg in args:
+        out += ["--config", arg.split("=", 1)[1]] if arg.startswith("--config=") else [arg]
+    return out
+
+
 def _attach_negative_numbers(args: list[str]) -> list[str]:
     """`--flag -1e-3` as `--flag=-1e-3`: argparse would read a negative number in exponent form as a flag."""
     out: list[str] = []
@@ -184,8 +196,10 @@ def parse_config(
     `defaults` (e.g. what the previous stage ran with) replace the dataclass defaults; the YAML file
     overrides them, and CLI flags override both.
     """
-    parser = _import_trl_parser()(dataclass_types)
-    args = _attach_negative_numbers(list(sys.argv[1:] if args is None else args))
+    # A flag is taken whole: an abbreviation would silently set another setting (GRPO read
+    # `--num_samples 4` as `--num_samples_to_show`), where the YAML file refuses the same key.
+    parser = _import_trl_parser()(dataclass_types, allow_abbrev=False)
+    args = _attach_negative_numbers(_split_config_flag(list(sys.argv[1:] if args is None else args)))
     if defaults:
         parser.set_defaults_with_config(**defaults)
     if "--config" in args:

@@ -52,12 +52,33 @@ def test_yaml_then_cli_override(tmp_path: Path) -> None:
         ({}, ["--count", "abc"], "invalid int value"),
         ({}, ["--nope", "1"], "unknown flag"),
         ({}, ["--rate", "-1e-3"], "invalid value for 'rate': must be > 0"),  # a negative number, not a flag
+        # an abbreviation is no flag: the YAML refuses the same key (GRPO read `--num_samples` as
+        # `--num_samples_to_show`)
+        ({}, ["--cou", "3"], r"unknown flag\(s\) \['--cou', '3'\]"),
+        ({}, ["--rat=0.5"], "unknown flag"),
     ],
 )
 def test_bad_values_raise_one_line(tmp_path: Path, content: dict, argv: list[str], message: str) -> None:
     with pytest.raises(UsageError, match=message) as info:
         parse_config([Toy], ["--config", _yaml(tmp_path, content), *argv])
     assert "\n" not in str(info.value)
+
+
+def test_config_equals_file_is_read_as_config_file(tmp_path: Path) -> None:
+    cfg = _yaml(tmp_path, {"count": 7})
+    (toy,) = parse_config([Toy], [f"--config={cfg}", "--rate", "0.5"])
+    assert (toy.count, toy.rate) == (7, 0.5)
+    with pytest.raises(UsageError, match="unknown key 'colour'"):
+        parse_config([Toy], [f"--config={_yaml(tmp_path, {'colour': 1})}"])
+
+
+def test_the_pipeline_and_planner_take_no_abbreviation() -> None:
+    from fitrl.config import ArgumentParser
+
+    parser = ArgumentParser(prog="x")
+    parser.add_argument("--stages", nargs="*")
+    with pytest.raises(UsageError, match="unrecognized arguments: --stage"):
+        parser.parse_args(["--stage", "sft"])
 
 
 def test_missing_config_file() -> None:

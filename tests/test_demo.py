@@ -3,7 +3,6 @@ in for the real job; and the build from the seed still runs and its models learn
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -122,16 +121,14 @@ def test_verify_names_an_edited_a_missing_and_an_extra_file(tmp_path: Path) -> N
     ]
 
 
-def _quick_build(out: Path, **env: str) -> subprocess.CompletedProcess:
+def _quick_build(out: Path) -> subprocess.CompletedProcess:
     """`python -m fitrl.demo build OUT` in a child, its models trained for a few steps only."""
     code = (
-        "import sys; from fitrl.demo import models; from fitrl.demo.__main__ import main; "
+        "from fitrl.demo import models; from fitrl.demo.__main__ import main; "
         f"models.PRETRAIN_STEPS, models.REASONER_STEPS, models.CLASSIFIER_EPOCHS = {QUICK_STEPS}; "
         f"main(['build', {str(out)!r}])"
     )
-    return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=900
-    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
 
 
 # The quick build's steps (pretraining, the reasoner's format SFT, classifier epochs). What it reached, on
