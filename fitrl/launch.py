@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import yaml
+
 from fitrl.process import STATUS_FILE_ENV, cpu_cores
 
 # One process, no mixed precision or compilation unless a config asks: what every profile is sized for.
@@ -26,8 +28,6 @@ def processes(command: list[str]) -> int:
             value = command[command.index(flag) + 1]
             if flag == "--num_processes":
                 return max(1, int(value)) if value.isdigit() else 1
-            import yaml
-
             try:
                 found = (yaml.safe_load(Path(value).read_text()) or {}).get("num_processes", 1)
             except (OSError, yaml.YAMLError):
