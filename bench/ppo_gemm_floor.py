@@ -5,7 +5,7 @@
 
 Runs fitrl's `ppo.py` in this process (as Python runs a script) on the benchmark's model
 and settings, and profiles one step after the warm-up (step 3) phase by phase with `torch.profiler`,
-through the package functions each phase calls (sampling, `fitrl.ppo_step`): each phase's wall
+through the package functions each phase calls (sampling, `fitrl.ppo.step`): each phase's wall
 time (the profiler's overhead included) and the time its matrix products (`addmm`, `mm`, `bmm`,
 `baddbmm`) take on their own. Those products are what the step must compute (sampling with a KV
 cache, one no-grad reference pass, a forward and a backward per mini-batch), and TRL 0.11.4
@@ -34,8 +34,8 @@ GEMMS = {"aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm"}
 # The package function each phase of a step calls, and the phase's name in the script's timings.
 PHASES = {
     ("fitrl.rollout", "sample_responses"): "generate",
-    ("fitrl.ppo_step", "make_experience"): "forward",
-    ("fitrl.ppo_step", "ppo_update"): "optimise",
+    ("fitrl.ppo.step", "make_experience"): "forward",
+    ("fitrl.ppo.step", "ppo_update"): "optimise",
 }
 
 

@@ -30,6 +30,7 @@ from fitrl.modeling import (
     loading_errors,
     resolve_model_path,
 )
+from fitrl.reward import TextReward
 
 REWARD_ADAPTER = "reward"  # its name beside the policy's ("default")
 
@@ -62,7 +63,7 @@ def active_adapter(model: nn.Module, name: str) -> Iterator[None]:
             m._active_adapter = active
 
 
-class AdapterReward:
+class AdapterReward(TextReward):
     """Scores texts with the reward adapter and head on `policy`'s backbone (a peft model)."""
 
     def __init__(self, policy: Any, adapter_dir: str | Path, tokenizer: Any, batch_size: int):
@@ -100,9 +101,7 @@ class AdapterReward:
         self.head.load_state_dict(head)
         self.head.requires_grad_(False)
         self.policy, self.tokenizer, self.batch_size, self.device = policy, tokenizer, batch_size, device
-
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        return self.classify(texts)[0]
+        self.held = self.head  # the adapter rides on the policy's backbone: only the head is its own
 
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +157,7 @@ def separate_base(
     return path
 
 
-class SeparateAdapterReward:
+class SeparateAdapterReward(TextReward):
     """An rm stage's adapter and score head on its own copy of the base it was trained on, loaded beside
     the policy in `reward_dtype` / `reward_quantization`: a reward model trained on another model than
     the policy's. A text is scored as `AdapterReward` scores it (EOS appended, the head read at the last
@@ -178,10 +177,7 @@ class SeparateAdapterReward:
             model.to(device)
         with loading_errors("reward adapter", str(adapter_dir)):
             self.model = PeftModel.from_pretrained(model, adapter_dir).eval()
-        self.batch_size, self.device = args.reward_batch_size, device
-
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        return self.classify(texts)[0]
+        self.batch_size, self.device, self.held = args.reward_batch_size, device, self.model
 
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors
-from fitrl.modeling import SCORE_HEAD, unloaded_bitsandbytes_hidden
-from fitrl.ppo_step import Experience, PolicyAndValue, adapter_disabled, experience_chunk, micro_step_loss
+from fitrl.modeling import SCORE_HEAD, make_optimizer, unloaded_bitsandbytes_hidden
+from fitrl.ppo.step import Experience, PolicyAndValue, adapter_disabled, experience_chunk, micro_step_loss
 from fitrl.rollout import Rollout
 from fitrl.stages.ppo import PPOArguments
 from fitrl.workload import Step, Workload
@@ -294,7 +294,7 @@ PPO_SETTINGS = PPOArguments()
 
 
 def nograd_pass(model: nn.Module, w: Workload, device: Any, vocab: int) -> None:
-    """PPO: `fitrl.ppo_step.experience_chunk` on one `nograd_batch` chunk, with the policy's forward
+    """PPO: `fitrl.ppo.step.experience_chunk` on one `nograd_batch` chunk, with the policy's forward
     (the planner takes the larger pass: not the log-probs kept from sampling)."""
     model.eval()
     chunk = experience_chunk(model, _sequences(w, w.nograd_batch, device, vocab), PPO_SETTINGS.kl_estimator)
@@ -335,7 +335,7 @@ def training_micro_step(model: nn.Module, w: Workload, device: Any, vocab: int) 
     if w.step is Step.NEXT_TOKEN:  # trl's SFTTrainer: the mean negative log-prob from the fused head
         out = model(input_ids=ids, attention_mask=mask, labels=ids, fused_lm_head=True)
         loss = -out.log_probs.sum() / out.label_mask.sum().clamp(min=1)
-    elif w.step is Step.PPO:  # `fitrl.ppo_step.micro_step_loss` on a micro-batch of experience
+    elif w.step is Step.PPO:  # `fitrl.ppo.step.micro_step_loss` on a micro-batch of experience
         loss, _stats = micro_step_loss(model, _experience(w, ids, device), PPO_SETTINGS)
     elif (
         w.step is Step.PAIRWISE_SCORE
@@ -387,24 +387,6 @@ def trace_step(
     for p in model.parameters():
         p.grad = None
     return tracker.phase_peaks
-
-
-def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
-    """The optimizer a stage builds for the trainable parameters (bitsandbytes for the 8-bit and paged ones)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer in ("adamw", "adamw_torch"):
-        return torch.optim.AdamW(params, lr=1e-5)
-    import bitsandbytes as bnb
-
-    if optimizer in ("adamw_8bit", "adamw_bnb_8bit"):
-        return bnb.optim.AdamW8bit(params, lr=1e-5)
-    if optimizer == "paged_adamw_8bit":
-        return bnb.optim.PagedAdamW8bit(params, lr=1e-5)
-    if optimizer == "paged_adamw_32bit":
-        return bnb.optim.PagedAdamW32bit(params, lr=1e-5)
-    from transformers.optimization import Adafactor
-
-    return Adafactor(params, lr=1e-5, relative_step=False, scale_parameter=False)
 
 
 def measure_step(model: nn.Module, w: Workload, device: str | torch.device = "cpu") -> dict[str, int]:

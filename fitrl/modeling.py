@@ -335,3 +335,23 @@ def add_lora(model: Any, args: LoraArguments) -> Any:
             return get_peft_model(model, lora_config(args, model.config.model_type))
     except ValueError as e:
         raise UsageError(f"cannot put LoRA on this model: {first_line(e)}") from None
+
+
+def make_optimizer(model: torch.nn.Module, optimizer: str, lr: float = 1e-5) -> torch.optim.Optimizer:
+    """The optimizer of `model`'s trainable parameters by its trl/transformers name: torch's AdamW,
+    bitsandbytes' 8-bit and paged ones, or Adafactor. PPO builds its own with it; the planner traces
+    the trl stages' steps with it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer in ("adamw", "adamw_torch"):
+        return torch.optim.AdamW(params, lr=lr)
+    import bitsandbytes as bnb
+
+    if optimizer in ("adamw_8bit", "adamw_bnb_8bit"):
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    if optimizer == "paged_adamw_8bit":
+        return bnb.optim.PagedAdamW8bit(params, lr=lr)
+    if optimizer == "paged_adamw_32bit":
+        return bnb.optim.PagedAdamW32bit(params, lr=lr)
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fitrl.answer_format import render_prompt
-from fitrl.ppo import entropy_from_logits, logprobs_from_logits
+from fitrl.ppo.core import entropy_from_logits, logprobs_from_logits
 
 
 @dataclass

@@ -19,6 +19,7 @@ from fitrl.chat import CHAT_TEMPLATE_HELP, check_chat, is_chat, render_prompt_ch
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_column
 from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
+from fitrl.reward import TextReward
 from fitrl.rollout import sentence_end_ids
 
 
@@ -179,7 +180,7 @@ def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_a
     return separate_base(args.reward_adapter, model_name, model_path, demo_assets, args.reward_adapter_shared)
 
 
-class SentimentReward:
+class SentimentReward(TextReward):
     """Scores texts with a sequence classifier, which may use another tokenizer than the policy."""
 
     def __init__(self, args: RewardArguments, demo_assets: str, device: torch.device):
@@ -209,9 +210,7 @@ class SentimentReward:
         self.scalar = self.model.config.num_labels == 1
         self.label = 0 if self.scalar else self.model.config.label2id[args.positive_label]
         self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device
-
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        return self.classify(texts)[0]
+        self.held = self.model
 
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,18 +231,14 @@ class SentimentReward:
         return torch.cat(scores).cpu(), torch.cat(positive).cpu()
 
 
-class FunctionReward:
-    """Scores texts with a Python function (`reward_function`), each output checked (`fitrl.reward_funcs`)."""
-
-    tokenizer = None  # the function reads the text itself: no tokenizer between it and the policy's text
+class FunctionReward(TextReward):
+    """Scores texts with a Python function (`reward_function`), each output checked (`fitrl.reward_funcs`).
+    It reads the text itself: no tokenizer between it and the policy's text."""
 
     def __init__(self, args: RewardArguments) -> None:
         from fitrl.reward_funcs import Checked, resolve
 
         self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
-
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        return self.classify(texts)[0]
 
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive: above 0); a None score (the function abstains) counts as 0."""

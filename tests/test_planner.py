@@ -15,8 +15,8 @@ from fitrl import planner, stages
 from fitrl.architectures import architecture
 from fitrl.config import UsageError
 from fitrl.memory import LiveTensorBytes, optimizer_state_tensors, tensor_bytes
-from fitrl.memtrace import build_trainable, make_optimizer, measure_step, trace_step
-from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
+from fitrl.memtrace import build_trainable, measure_step, trace_step
+from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, make_optimizer
 from fitrl.workload import Step, Workload
 
 from conftest import CONFIGS, run_main, run_script

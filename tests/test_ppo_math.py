@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from fitrl import ppo
+from fitrl.ppo import core as ppo
 
 t = torch.tensor
 

@@ -1,4 +1,4 @@
-"""The PPO step in the package (`fitrl.ppo_step`): the experience batch, one micro-step's loss worked by
+"""The PPO step in the package (`fitrl.ppo.step`): the experience batch, one micro-step's loss worked by
 hand, and the update's early stopping, on models small enough to reason about."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fitrl.ppo_step import Experience, micro_step_loss, ppo_update
+from fitrl.ppo.step import Experience, micro_step_loss, ppo_update
 from fitrl.stages.ppo import PPOArguments
 
 PAD = 9

@@ -159,7 +159,7 @@ def test_policy_and_value_keeps_only_the_response_logits_and_the_last_hidden_sta
     """The lean forward (logits of the last R + 1 positions, one hidden state) is the full forward, sliced."""
     from peft import LoraConfig, get_peft_model
 
-    from fitrl.ppo_step import PolicyAndValue
+    from fitrl.ppo.step import PolicyAndValue
     from fitrl.rollout import response_window
 
     lm = make()
@@ -202,8 +202,8 @@ def test_policy_outputs_kept_from_sampling_equal_a_forward_pass(make, stop_at_eo
     gives: log-probs, entropies and values, left padding and early ends included."""
     from peft import LoraConfig, get_peft_model
 
-    from fitrl import ppo
-    from fitrl.ppo_step import PolicyAndValue
+    from fitrl.ppo import core as ppo
+    from fitrl.ppo.step import PolicyAndValue
     from fitrl.rollout import response_window
 
     lm = make()

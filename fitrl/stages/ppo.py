@@ -1,6 +1,6 @@
 """The PPO stage: a LoRA policy and a value head on one (8-bit) backbone, against a reward model.
 
-Program: `fitrl.scripts.ppo`; its step (experience, update) is `fitrl.ppo_step`, its maths
+Program: `fitrl.scripts.ppo`; its engine (the trainer, its step and maths, the metric names) is
 `fitrl.ppo`. Writes the policy adapter and value head; checkpoints `step-N`.
 """
 
@@ -15,6 +15,7 @@ from fitrl.demo import DemoArguments
 from fitrl.guards import Limit
 from fitrl.hub import HubSettings
 from fitrl.modeling import LoraArguments, ModelArguments
+from fitrl.ppo import metrics
 from fitrl.rollout import generation_batch
 from fitrl.sentiment import PromptArguments, RewardArguments
 from fitrl.stages.base import (
@@ -185,16 +186,16 @@ def workload(configs: Configs, model_type: str, on_gpu: bool, world_size: int) -
 def monitors(args: PPOArguments) -> list[Limit]:
     """PPO's in-run monitors (`fitrl.guards`), on its logged metrics."""
     return [
-        Limit("kl", "objective/kl", "above", args.guard_kl_max,
+        Limit("kl", metrics.KL, "above", args.guard_kl_max,
               "the policy runs away from its reference; raise init_kl_coef or lower learning_rate"),
         # A sampled KL estimate is >= 0 on average: strongly negative means the samples are not the policy's.
-        Limit("kl", "objective/kl", "below", -1.0,
+        Limit("kl", metrics.KL, "below", -1.0,
               "the sampling does not match the policy's forward (top_k/top_p, EOS, padding; trl#925)"),
-        Limit("entropy", "objective/entropy", "below_share", args.guard_entropy_floor,
+        Limit("entropy", metrics.ENTROPY, "below_share", args.guard_entropy_floor,
               "the policy collapses onto a few responses; raise the KL coefficient or lower learning_rate"),
-        Limit("clipping", "ppo/clipfrac", "above", args.guard_clipfrac_max,
+        Limit("clipping", metrics.CLIPFRAC, "above", args.guard_clipfrac_max,
               "updates too large for the clip range; lower learning_rate or ppo_epochs", steps=5),
-        Limit("repetition", "env/repetition", "above", args.guard_repetition_max,
+        Limit("repetition", metrics.REPETITION, "above", args.guard_repetition_max,
               "the responses loop on a phrase: the reward pays for it, or the KL term is too weak", steps=5),
     ]  # fmt: skip
 
@@ -240,7 +241,7 @@ def batch_moves(configs: Configs) -> Moves:
 
 def figures(out: Path) -> list[str]:
     rows = metrics_rows(out)
-    rewards, kls = series(rows, "env/reward_mean"), series(rows, "objective/kl")
+    rewards, kls = series(rows, metrics.REWARD_MEAN), series(rows, metrics.KL)
     if not rewards:
         return []
     start, end = start_end(rewards)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fitrl import ppo
+from fitrl.ppo import core as ppo
 from fitrl.rollout import Rollout, forward, last_hidden_states, position_ids, response_slice, response_window
 from fitrl.stages.ppo import PPOArguments
 

@@ -1,0 +1,58 @@
+"""The one reward type every scorer is: texts in, scores out, and what it holds in memory.
+
+PPO trains against a `Reward` and knows nothing else of it. The kinds: a sequence classifier
+(`fitrl.sentiment.SentimentReward`), a Python function (`FunctionReward`), an rm stage's adapter on
+the policy's own backbone (`fitrl.adapter_reward.AdapterReward`) or on its own copy of its base
+(`SeparateAdapterReward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+
+class Reward(Protocol):
+    """A scorer of responses to queries.
+
+    `tokenizer`: the tokenizer it reads the text with, for the check that the text survives it (None:
+    it reads the text itself). `columns`: the prompts' dataset columns for this batch (`gold` ...), one
+    value per text, for scorers that grade against them.
+    """
+
+    tokenizer: Any
+
+    def score(
+        self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
+    ) -> torch.Tensor:
+        """One score per response (B,), on the CPU."""
+        ...
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds beside the policy's (none for a function): the memory measurement counts them."""
+        ...
+
+
+class TextReward:
+    """The common part of the scorers that read a whole text (query + response): `classify` is the one
+    method each writes; `held` is the module it keeps beside the policy (None: nothing)."""
+
+    tokenizer: Any = None
+    held: torch.nn.Module | None = None
+
+    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive) of each text, on the CPU."""
+        raise NotImplementedError
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        return self.classify(texts)[0]
+
+    def score(
+        self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
+    ) -> torch.Tensor:
+        return self([q + r for q, r in zip(queries, responses)])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.held is None else [*self.held.parameters(), *self.held.buffers()]
