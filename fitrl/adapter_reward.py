@@ -138,22 +138,31 @@ def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int)
 
 
 def separate_base(
-    adapter_dir: str | Path, model_name: str, model_path: str, demo_assets: str, shared: bool = True
+    adapter_dir: str | Path,
+    model_name: str,
+    model_path: str,
+    demo_assets: str,
+    shared: bool,
+    stage: str,
+    producer: str,
 ) -> str | None:
-    """Where an rm adapter is scored: None on the policy's backbone (it was trained on `model_name` and
-    `shared`), else the resolved path of the base it was trained on, which it is loaded on by itself.
-    Checks that an rm run made it, before anything loads."""
+    """Where a reward adapter is scored in `stage`: None on the policy's backbone (it was trained on
+    `model_name` and `shared`), else the resolved path of the base it was trained on, which it is loaded
+    on by itself. Checks that a run of `producer` (the stage that trains reward models) made it, before
+    anything loads."""
     adapter_dir = Path(adapter_dir).expanduser()
-    check_adapter_files(adapter_dir, "rm")
-    recorded, trained_on = adapter_bases(adapter_dir, "rm")
+    check_adapter_files(adapter_dir, producer)
+    recorded, trained_on = adapter_bases(adapter_dir, producer)
     if shared and (not recorded or is_model(recorded, model_name, model_path)):
-        check_adapter_base(adapter_dir, model_name, model_path, "ppo", force=False, producer="rm")
+        check_adapter_base(adapter_dir, model_name, model_path, stage, force=False, producer=producer, forceable=False)
         return None
     base = load_run_info(adapter_dir).get("resolved_model_path") or trained_on
     if base is None:
-        raise UsageError(f"reward adapter {adapter_dir} records no base model; give the output_dir of an rm run")
+        raise UsageError(
+            f"reward adapter {adapter_dir} records no base model; give the output_dir of an {producer} run"
+        )
     path = resolve_model_path(base, demo_assets, what="the reward adapter's base")
-    check_adapter_base(adapter_dir, base, path, "ppo", force=False, producer="rm")
+    check_adapter_base(adapter_dir, base, path, stage, force=False, producer=producer, forceable=False)
     return path
 
 

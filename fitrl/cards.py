@@ -46,9 +46,14 @@ def _key(name: str) -> str:
 
 
 def card(name: str) -> Card:
-    """The card `name` means (any spelling of the names in `CARDS`); a usage error naming them if none."""
+    """The card `name` means (any spelling of the names in `CARDS`, or a unique start of one); a usage error
+    naming them if none."""
     wanted = _key(name)
     found = [c for c in CARDS if _key(c.name) == wanted]
+    if not found and wanted:  # a unique start of a name: "RTX 3080 Laptop", "A100 80"
+        found = [c for c in CARDS if _key(c.name).startswith(wanted)]
+        if len(found) > 1:
+            raise UsageError(f"card '{name}' could be {' or '.join(c.name for c in found)}; give more of its name")
     if not found:
         known = ", ".join(c.name for c in CARDS)
         raise UsageError(

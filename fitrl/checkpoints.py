@@ -263,15 +263,16 @@ def check_adapter_base(
     force: bool,
     producer: str | None = None,
     require_record: bool = True,
+    forceable: bool = True,
 ) -> None:
     """Refuse an adapter that was not trained on this model, or not by the stage that should have made it
     (or whose `adapter_config.json` is damaged).
 
     What the adapter records of its base (`adapter_bases`) is compared with the model named
     (`model_name`) and its resolved path or hub id (`model_path`). `producer` is the stage whose output
-    this stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check;
-    without `require_record`, an adapter that records no base at all passes (the merge checks shapes
-    itself).
+    this stage takes (`run_info.json` says which stage wrote the adapter). `force` skips the check, and
+    the messages offer it where the stage has that setting (`forceable`); without `require_record`, an
+    adapter that records no base at all passes (the merge checks shapes itself).
     """
     from fitrl.config import load_run_info
 
@@ -280,17 +281,18 @@ def check_adapter_base(
     made_by = load_run_info(adapter_dir).get("stage")
     if producer is not None and made_by is not None and made_by != producer:
         raise UsageError(
-            f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's "
-            "(or pass --force true)"
+            f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's"
+            + (" (or pass --force true)" if forceable else "")
         )
     recorded, trained_on = adapter_bases(adapter_dir, producer or stage)
     if not recorded and not require_record:
         return
     if not recorded:
-        raise UsageError(f"adapter {adapter_dir} records no base model; pass --force true if it fits {model_name}")
+        fix = f"pass --force true if it fits {model_name}" if forceable else f"give the output_dir of a {producer} run"
+        raise UsageError(f"adapter {adapter_dir} records no base model; {fix}")
     if is_model(recorded, model_name, model_path):
         return
     raise UsageError(
         f"adapter {adapter_dir} was trained on {trained_on}, not {model_name}; "
-        "set model_name_or_path to its base (or pass --force true)"
+        "set model_name_or_path to its base" + (" (or pass --force true)" if forceable else "")
     )

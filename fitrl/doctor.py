@@ -252,24 +252,16 @@ def check_plan(f: Findings, stage: Any, configs: tuple[Any, ...], arch: Any, gpu
         f.error(f"{stage.name}: {planner.brief(result)}; it does not fit {where}: try {fix}")
 
 
-def _model_name(configs: tuple[Any, ...]) -> str | None:
-    """The model a stage starts from: its `model_name_or_path`, or the merge's `base_model`."""
-    for config in configs:
-        for key in ("model_name_or_path", "base_model"):
-            if getattr(config, key, None):
-                return getattr(config, key)
-    return None
-
-
 def _architecture(configs: tuple[Any, ...], before: list[tuple[Any, tuple[Any, ...]]], written: Path) -> Any:
     """The architecture of the model the stage loads; a model an earlier stage writes (PPO's merged
     model) has the architecture of the model that stage started from."""
     from fitrl.architectures import architecture
     from fitrl.demo import DemoArguments
+    from fitrl.stages import starting_model
     from fitrl.stages.base import config_of
 
     for cfgs in [configs, *(c for _, c in reversed(before))]:
-        name = _model_name(cfgs)
+        name = starting_model(cfgs)
         if name is None or Path(name).is_relative_to(written):
             continue
         return architecture(name, config_of(cfgs, DemoArguments).demo_assets)

@@ -36,13 +36,14 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
-from fitrl.config import RunFailed
+from fitrl.config import RunFailed, UsageError
 
 # A per-token KL of the policy to itself at step 0 above this is not rounding (fp32 gives ~1e-7, bf16 ~1e-3).
 REFERENCE_KL_TOLERANCE = 0.01
@@ -53,7 +54,8 @@ STEPS_WITHOUT_SIGNAL = 8
 
 @dataclass
 class Health:
-    """Each guard's verdict in a run: `{"passed": bool, "saw": what it saw, "step": where it fired}`, and the
+    """Each guard's verdict in a run: `{"passed": bool, "saw": what it saw, "step": where it fired}` (passed
+    None: it could not run, and `saw` says why), and the
     seconds the guards' own work took in this process (`timed`), for `run_info.json`'s `guard_seconds`."""
 
     strict: bool = False
@@ -69,12 +71,17 @@ class Health:
             self.seconds += time.perf_counter() - start
 
     def passed(self, guard: str, saw: str) -> None:
-        if self.seen.get(guard, {}).get("passed", True):
+        if self.seen.get(guard, {}).get("passed", True) is not False:
             self.seen[guard] = {"passed": True, "saw": saw}
+
+    def not_run(self, guard: str, why: str) -> None:
+        """A guard that cannot run in this run (what it reads is not there): `passed` is None, so that no
+        report counts it as passed."""
+        self.seen[guard] = {"passed": None, "saw": f"not run: {why}"}
 
     def failed(self, guard: str, saw: str, step: int) -> None:
         """Warn once with what the guard saw at `step`; with `strict_guards`, stop the run instead."""
-        if guard in self.seen and not self.seen[guard]["passed"]:
+        if self.seen.get(guard, {}).get("passed") is False:
             return
         self.seen[guard] = {"passed": False, "saw": saw, "step": step}
         if self.strict:
@@ -411,3 +418,22 @@ def check_prompt_length(dropped: int, total: int, limit: int, health: Health, cu
         health.failed("prompt_length", f"{what} ({share:.0%}); raise the prompt length limit", 0)
     else:
         health.passed("prompt_length", what)
+
+
+Held = TypeVar("Held")
+
+
+def heldout_set(health: Health, off: str | None, dataset: str, load: Callable[[], Held], fix: str) -> Held | None:
+    """What the reward-hacking guard reads, from a held-out split of `dataset` that training never sees
+    (`load` reads it). None, the guard recorded as not run, when it is `off` (the reason) or when
+    `dataset` is one file, which has no other split; a split that does not load is a usage error
+    ending with `fix`."""
+    if off is None and Path(dataset).expanduser().is_file():
+        off = "one data file has no held-out split (give a directory)"
+    if off is not None:
+        health.not_run("reward_hacking", off)
+        return None
+    try:
+        return load()
+    except UsageError as e:
+        raise UsageError(f"{e}; {fix}") from None

@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,20 @@ from fitrl.memory import StepPeak, optimizer_state_tensors
 from fitrl.modeling import ModelArguments, torch_dtype
 from fitrl.outputs import METRICS_NAME, MetricsLog, metrics_callback, read_jsonl, write_jsonl
 from fitrl.signals import StopRequest
+
+
+@dataclass(kw_only=True)
+class TrainerRun:
+    """What every stage on a trl trainer holds for the whole run beside its configs and inputs (the
+    subclass's own fields, positional): the output being written, the trainer once built, its metrics,
+    the memory plan and measurement, and what the guards saw."""
+
+    out: Path | None = None
+    trainer: Any = None
+    metrics: MetricsLog | None = None
+    planned_peak_mb: float | None = None
+    step_peak: StepPeak = field(default_factory=StepPeak)
+    health: Health = field(default_factory=Health)
 
 
 def trainer_precision(model_args: ModelArguments) -> dict[str, bool]:

@@ -104,7 +104,28 @@ def resolve_model_path(name_or_path: str, demo_assets: str, what: str = "model")
     looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_like_path or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path):
         raise UsageError(f"{what} path {name_or_path} does not exist; give a local directory or a hub id")
+    first = Path(name_or_path.split("/")[0])
+    if "/" in name_or_path and first.is_dir():  # `outputs/mergd`: a folder here, not a hub organisation
+        near = ", ".join(sorted(p.name for p in first.iterdir() if p.is_dir())[:8]) or "no folders"
+        raise UsageError(
+            f"{what} path {name_or_path} does not exist ({first}/ holds: {near}); give a saved model's folder"
+        )
+    if "/" not in name_or_path and not _cached_on_hub(name_or_path):  # `my-qwn`: no folder, no hub id
+        raise UsageError(
+            f"{what} {name_or_path} is no folder here, and a hub id has the form organisation/name "
+            "(e.g. Qwen/Qwen2.5-0.5B-Instruct); give a local directory or a hub id"
+        )
     return name_or_path
+
+
+def _cached_on_hub(repo_id: str) -> bool:
+    """Whether the hub cache holds `repo_id`'s config.json (a hub id used before, or downloaded)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub library refuses: not cached
+        return False
 
 
 def torch_dtype(name: str) -> torch.dtype:

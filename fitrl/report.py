@@ -35,10 +35,15 @@ def _memory(out: Path) -> str:
 def _health(out: Path) -> str:
     """What the guards saw (`fitrl.guards`): each one that fired with its step and numbers, or that all passed."""
     health = load_run_info(out).get("health") or {}
-    fired = [f"guard {k} fired at step {v.get('step', '?')}: {v['saw']}" for k, v in health.items() if not v["passed"]]
+    fired = [
+        f"guard {k} fired at step {v.get('step', '?')}: {v['saw']}" for k, v in health.items() if v["passed"] is False
+    ]
     if fired:
         return "; ".join(fired)
-    return f"guards passed: {', '.join(health)}" if health else ""
+    passed = [k for k, v in health.items() if v["passed"]]
+    skipped = [f"{k} ({v['saw'].removeprefix('not run: ')})" for k, v in health.items() if v["passed"] is None]
+    parts = [f"guards passed: {', '.join(passed)}"] if passed else []
+    return "; ".join(parts + ([f"not run: {', '.join(skipped)}"] if skipped else []))
 
 
 def figures(stage: Stage, out: Path) -> list[str]:
@@ -114,10 +119,12 @@ def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) 
 
 def _guards_cell(out: Path) -> str:
     health = load_run_info(out).get("health") or {}
-    fired = [f"{k} (step {v.get('step', '?')})" for k, v in health.items() if not v["passed"]]
+    fired = [f"{k} (step {v.get('step', '?')})" for k, v in health.items() if v["passed"] is False]
     if fired:
         return "fired: " + ", ".join(fired)
-    return f"all {len(health)} passed" if health else ""
+    skipped = sum(v["passed"] is None for v in health.values())
+    passed = f"all {len(health) - skipped} passed" if len(health) > skipped else ""
+    return ", ".join(p for p in [passed, f"{skipped} not run" if skipped else ""] if p)
 
 
 def summary(run_dir: Path, stages: list[Stage], timings: dict[str, float]) -> list[str]:

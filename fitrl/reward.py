@@ -18,16 +18,16 @@ class Reward(Protocol):
     """A scorer of responses to queries.
 
     `tokenizer`: the tokenizer it reads the text with, for the check that the text survives it (None:
-    it reads the text itself). `columns`: the prompts' dataset columns for this batch (`gold` ...), one
-    value per text, for scorers that grade against them.
+    it reads the text itself). `columns`: the prompts' dataset columns for this batch (`gold` ...) and
+    `completion_ids` (each response's token ids), one value per text, for scorers that grade with them.
     """
 
     tokenizer: Any
 
     def score(
         self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
-    ) -> torch.Tensor:
-        """One score per response (B,), on the CPU."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One score per response (B,), and whether each is called positive (B,), on the CPU."""
         ...
 
     def tensors(self) -> list[torch.Tensor]:
@@ -36,8 +36,8 @@ class Reward(Protocol):
 
 
 class TextReward:
-    """The common part of the scorers that read a whole text (query + response): `classify` is the one
-    method each writes; `held` is the module it keeps beside the policy (None: nothing)."""
+    """The common part of the scorers: a model reads the whole text (query + response), and `classify`
+    is the one method each writes; `held` is the module it keeps beside the policy (None: nothing)."""
 
     tokenizer: Any = None
     held: torch.nn.Module | None = None
@@ -51,8 +51,8 @@ class TextReward:
 
     def score(
         self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
-    ) -> torch.Tensor:
-        return self([q + r for q, r in zip(queries, responses)])
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.classify([q + r for q, r in zip(queries, responses)])
 
     def tensors(self) -> list[torch.Tensor]:
         return [] if self.held is None else [*self.held.parameters(), *self.held.buffers()]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -89,6 +90,41 @@ def resolve(name: str, setting: str = "reward_funcs") -> RewardFunction:
     return function
 
 
+# What trl's GRPOTrainer passes every reward function, beside the dataset's columns; fitrl passes the same.
+TRL_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+
+
+def trl_keywords(prompts: list[Any], completion_ids: list[list[int]]) -> dict[str, Any]:
+    """The keywords trl passes besides the completions and the columns, for a caller outside trl's trainer:
+    no trainer state, and the logging hooks doing nothing."""
+    return {
+        "prompts": prompts,
+        "completion_ids": completion_ids,
+        "trainer_state": None,
+        "log_extra": lambda *a, **k: None,
+        "log_metric": lambda *a, **k: None,
+    }
+
+
+def check_call(name: str, function: RewardFunction, columns: Sequence[str], setting: str) -> None:
+    """A function that cannot be called as trl calls one (a required parameter that is none of
+    `TRL_KEYWORDS` or the dataset's `columns`) is a `UsageError` naming the parameter, before anything loads."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    passed = {*TRL_KEYWORDS, *columns}
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+            continue
+        if p.kind is p.POSITIONAL_ONLY or p.name not in passed:
+            raise UsageError(
+                f"{setting}: reward '{name}' takes '{p.name}', which is not passed: a reward function is called "
+                f"with {', '.join(TRL_KEYWORDS[:3])} and the data's columns ({', '.join(columns) or 'none'}) "
+                f"as keywords; give '{p.name}' a default, or take **kwargs"
+            )
+
+
 def format_only(names: Sequence[str]) -> bool:
     """Whether every reward in `names` scores only the format (your own functions count as content)."""
     return all(name in REGISTRY and REGISTRY[name].format_only for name in names)
@@ -101,6 +137,10 @@ class Checked:
     def __init__(self, name: str, function: RewardFunction, observe: Callable[..., None] | None = None) -> None:
         self.name, self.function, self.observe = name, function, observe
         functools.update_wrapper(self, function)  # trl logs `rewards/<__name__>/mean`
+
+    def check(self, columns: Sequence[str], setting: str = "reward_funcs") -> None:
+        """That the function can be called with trl's keywords and these dataset `columns` (`check_call`)."""
+        check_call(self.name, self.function, columns, setting)
 
     def __call__(self, completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
         if self.observe is not None and "completion_ids" in kwargs and "log_metric" in kwargs:

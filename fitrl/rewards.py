@@ -275,5 +275,13 @@ def soft_format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]
     return [SOFT_FORMAT_REWARD if is_soft_format(completion_text(c)) else 0.0 for c in completions]
 
 
-def accuracy_reward(completions: Sequence[Any], gold: Sequence[str], **kwargs: Any) -> list[float]:
+def accuracy_reward(
+    completions: Sequence[Any], gold: Sequence[str] | None = None, answer: Sequence[str] | None = None, **kwargs: Any
+) -> list[float]:
+    """`gold`: each problem's gold number (GRPO's data has it); else `answer`, GSM8K's solution ending
+    '#### <number>' or the number alone (PPO hands the dataset's own column, `reward_columns: [answer]`)."""
+    if gold is None:
+        if answer is None:
+            raise TypeError("the accuracy reward needs a gold or an answer column (reward_columns: [answer])")
+        gold = [extract_gold(a) or a for a in answer]
     return [ACCURACY_REWARD if is_correct(completion_text(c), g) else 0.0 for c, g in zip(completions, gold)]

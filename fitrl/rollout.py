@@ -49,6 +49,10 @@ class Rollout:
         """The response token ids, pad after each response's end: (B, R)."""
         return self.input_ids[:, self.query_len :]
 
+    def response_ids(self) -> list[list[int]]:
+        """Each response's token ids, padding removed (trl's `completion_ids`)."""
+        return [ids[m.bool()].tolist() for ids, m in zip(self.responses, self.response_mask)]
+
     def split(self, size: int) -> list[Rollout]:
         """The same rollout as consecutive row chunks of at most `size` sequences (one layout)."""
         out = []

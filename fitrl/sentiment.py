@@ -9,17 +9,20 @@ import dataclasses
 import random
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward, separate_base
 from fitrl.chat import CHAT_TEMPLATE_HELP, check_chat, is_chat, render_prompt_chat, use_chat_template
 from fitrl.config import UsageError, check, first_line, help_field
 from fitrl.data import load_column
 from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
-from fitrl.reward import TextReward
+from fitrl.reward import Reward, TextReward
+from fitrl.reward_funcs import Checked, resolve, trl_keywords
 from fitrl.rollout import sentence_end_ids
 
 
@@ -65,6 +68,11 @@ class PromptArguments:
         "setting): EOS is suppressed until the drawn length, so no response ends on a token the reward model "
         "never sees.",
     )
+    system_prompt: str | None = help_field(
+        None,
+        "Texts become chats: this system message, then the text as the user's turn, rendered with the chat "
+        "template up to the assistant's turn (a chat model asked plain questions; the arithmetic PPO config).",
+    )
 
     def validate(self) -> None:
         check(1 <= self.query_min_tokens <= self.query_max_tokens, "query_min_tokens", "in [1, query_max_tokens]")
@@ -76,6 +84,9 @@ class PromptArguments:
         check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", "empty or >= 1")
         check(self.max_prompt_tokens >= 1, "max_prompt_tokens", ">= 1")
         check(self.min_prompt_chars >= 0, "min_prompt_chars", ">= 0")
+        if self.system_prompt is not None and self.prompt_shaping == "prefix":
+            raise UsageError("system_prompt makes each text a chat, which prompt_shaping prefix cannot cut; "
+                             "set prompt_shaping whole")  # fmt: skip
 
     def stops_at_eos(self, chat: bool) -> bool:
         """Whether a response ends at EOS, for prompts that are chats (`chat`) or texts."""
@@ -124,9 +135,16 @@ class RewardArguments:
     )
     reward_function: str | None = help_field(
         None,
-        "A Python function to score with instead of a model: module:function or path/to/file.py:function, "
-        "called as trl calls a reward function, fn(completions=texts) with each query + response text, and "
-        "returning one number per text (positive: above 0; fitrl.reward_funcs).",
+        "A Python function to score with instead of a model: a registry name (accuracy, ...), module:function or "
+        "path/to/file.py:function, called as trl calls a reward function: fn(prompts=queries, "
+        "completions=responses, **columns of reward_columns), one number per response (positive: above 0; "
+        "fitrl.reward_funcs). A GRPO reward function works unchanged.",
+    )
+
+    reward_columns: list[str] = help_field(
+        [],
+        "Columns of the prompt dataset handed to reward_function beside each prompt, by name, as trl hands a "
+        "dataset's columns to a reward function (e.g. [answer] for the accuracy reward).",
     )
 
     def validate(self) -> None:
@@ -162,10 +180,13 @@ def check_reward_label(reward_path: str, positive_label: str, reward_kind: str =
         raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
 
 
-def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_assets: str) -> str | None:
-    """The reward, checked before any model loads: a trained classifier with the positive label, an rm
-    stage's adapter whose base can be loaded (the policy's own, or another), or a function that imports.
-    Returns the base an rm adapter is loaded on by itself (`separate_base`), else None."""
+def check_reward(
+    args: RewardArguments, model_name: str, model_path: str, demo_assets: str, stage: str, producer: str
+) -> str | None:
+    """The reward of `stage`, checked before any model loads: a trained classifier with the positive label,
+    an adapter of the `producer` stage whose base can be loaded (the policy's own, or another), or a
+    function that imports. Returns the base that adapter is loaded on by itself (`separate_base`), else
+    None."""
     if args.reward_function:
         FunctionReward(args)
         return None
@@ -173,11 +194,10 @@ def check_reward(args: RewardArguments, model_name: str, model_path: str, demo_a
         reward_path = resolve_model_path(args.reward_model, demo_assets, what="reward model")
         check_reward_label(reward_path, args.positive_label, args.reward_kind)
         return None
-    from fitrl.adapter_reward import separate_base
-
     if not Path(args.reward_adapter).expanduser().is_dir():
         raise UsageError(f"reward_adapter {args.reward_adapter} does not exist; give the output_dir of an rm run")
-    return separate_base(args.reward_adapter, model_name, model_path, demo_assets, args.reward_adapter_shared)
+    shared = args.reward_adapter_shared
+    return separate_base(args.reward_adapter, model_name, model_path, demo_assets, shared, stage, producer)
 
 
 class SentimentReward(TextReward):
@@ -232,23 +252,45 @@ class SentimentReward(TextReward):
 
 
 class FunctionReward(TextReward):
-    """Scores texts with a Python function (`reward_function`), each output checked (`fitrl.reward_funcs`).
-    It reads the text itself: no tokenizer between it and the policy's text."""
+    """Scores responses with a Python function (`reward_function`) called as trl calls one:
+    `fn(prompts=..., completions=..., **columns)`, each output checked (`fitrl.reward_funcs`). It reads the
+    text itself: no tokenizer between it and the policy's text."""
 
     def __init__(self, args: RewardArguments) -> None:
-        from fitrl.reward_funcs import Checked, resolve
-
         self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
+        self.function.check(args.reward_columns, "reward_function")
 
-    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score(
+        self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive: above 0); a None score (the function abstains) counts as 0."""
-        scores = torch.tensor([0.0 if v is None else float(v) for v in self.function(texts)])
+        ids = columns.get("completion_ids", [[] for _ in responses])
+        data = {k: v for k, v in columns.items() if k != "completion_ids"}
+        values = self.function(list(responses), **trl_keywords(list(queries), list(ids)), **data)
+        scores = torch.tensor([0.0 if v is None else float(v) for v in values])
         return scores, scores > 0
 
 
-def load_reward(args: RewardArguments, demo_assets: str, device: torch.device) -> SentimentReward | FunctionReward:
-    """The reward that is not an rm adapter (`fitrl.adapter_reward` reads that one on the policy's backbone)."""
-    return FunctionReward(args) if args.reward_function else SentimentReward(args, demo_assets, device)
+def load_reward(
+    args: RewardArguments,
+    demo_assets: str,
+    device: torch.device,
+    reward_base: str | None = None,
+    policy: Any = None,
+    tokenizer: Any = None,
+) -> Reward | None:
+    """The reward `args` name, its kind decided here once: a function, a sequence classifier, an rm
+    stage's adapter on its own copy of `reward_base` (`check_reward` says which base), or one on the
+    policy's own backbone, which needs the `policy` (a peft model) and its `tokenizer`: None until given."""
+    if args.reward_function:
+        return FunctionReward(args)
+    if not args.reward_adapter:
+        return SentimentReward(args, demo_assets, device)
+    if reward_base is not None:
+        return SeparateAdapterReward(reward_base, args, device)
+    if policy is None:
+        return None
+    return AdapterReward(policy, args.reward_adapter, tokenizer, args.reward_batch_size)
 
 
 LEXICON_JUDGE = "demo://lexicon"
@@ -330,9 +372,16 @@ class Queries:
     cut: int  # left-truncated to max_prompt_tokens
     chat: bool  # rendered from chats
     plain_template: bool  # with the plain template, the tokenizer having none
+    columns: dict[str, list[Any]] = dataclasses.field(default_factory=dict)  # reward_columns, one per query
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def add(self, ids: list[int], columns: dict[str, list[Any]], row: int) -> None:
+        """A query, and the values of `columns` at its dataset `row`."""
+        self.ids.append(ids)
+        for name, column in columns.items():
+            self.columns.setdefault(name, []).append(column[row])
 
     def summary(self, args: PromptArguments) -> str:
         kind = "chats" if self.chat else "texts"
@@ -352,6 +401,9 @@ class Queries:
 def read_prompts(args: PromptArguments, demo_assets: str, rows: int | None = None) -> tuple[list[Any], bool]:
     """The prompt column's values (the first `rows`), and whether they are chats, each checked."""
     values = load_column(args.dataset, args.dataset_split, args.text_column, demo_assets)[:rows]
+    if args.system_prompt is not None:  # a text becomes a chat; a row without one stays empty (too short)
+        system = {"role": "system", "content": args.system_prompt}
+        values = [[system, {"role": "user", "content": v}] if isinstance(v, str) else None for v in values]
     chat = any(is_chat(v) for v in values)
     if chat and args.prompt_shaping == "prefix":
         raise UsageError(
@@ -363,13 +415,16 @@ def read_prompts(args: PromptArguments, demo_assets: str, rows: int | None = Non
     return values, chat
 
 
-def build_queries(tokenizer: Any, args: PromptArguments, demo_assets: str, seed: int) -> Queries:
+def build_queries(
+    tokenizer: Any, args: PromptArguments, demo_assets: str, seed: int, columns: Sequence[str] = ()
+) -> Queries:
     """Token ids of each query: a whole prompt (a chat rendered up to the assistant's turn), or the first n
-    tokens of a text with n drawn per text (`prompt_shaping: prefix`)."""
+    tokens of a text with n drawn per text (`prompt_shaping: prefix`); and each kept row's `columns`."""
     values, chat = read_prompts(args, demo_assets)
     plain_template = chat and use_chat_template(tokenizer, args.chat_template)
     rng = random.Random(seed)
     queries = Queries([], len(values), 0, 0, 0, chat, plain_template)
+    wanted = {c: load_column(args.dataset, args.dataset_split, c, demo_assets) for c in columns}
     for row, value in enumerate(values):
         if args.max_prompts is not None and len(queries.ids) == args.max_prompts:
             break
@@ -382,7 +437,7 @@ def build_queries(tokenizer: Any, args: PromptArguments, demo_assets: str, seed:
             continue
         if args.prompt_shaping == "prefix":
             n = rng.randint(args.query_min_tokens, args.query_max_tokens)
-            queries.ids.append(tokenizer(content, add_special_tokens=False).input_ids[:n])
+            queries.add(tokenizer(content, add_special_tokens=False).input_ids[:n], wanted, row)
             continue
         if chat:  # the template writes the special tokens itself
             ids = tokenizer(
@@ -396,7 +451,7 @@ def build_queries(tokenizer: Any, args: PromptArguments, demo_assets: str, seed:
                 queries.long += 1
                 continue
             ids, queries.cut = ids[-args.max_prompt_tokens :], queries.cut + 1
-        queries.ids.append(ids)
+        queries.add(ids, wanted, row)
     if not queries.ids:
         raise UsageError(f"dataset {args.dataset} gives no prompts: {queries.summary(args)}; check its rows")
     return queries

@@ -154,3 +154,22 @@ def test_the_planner_counts_a_reward_adapter_only_when_it_has_a_base_of_its_own(
     assert separate is not None and Path(separate.name).name == "lm"
     assert planner.reward_model_bytes(separate) > 0
     assert spec("demo://lm", "--reward_adapter_shared", "false") == separate
+
+
+@pytest.mark.slow
+def test_a_reward_adapter_of_another_stage_is_refused_without_offering_a_force_that_ppo_lacks(
+    reward_model: Path, demo_assets: Path, tmp_path: Path
+) -> None:
+    """PPO and its evaluation have no `--force`: refusing an adapter that no rm run made names the fix."""
+    import shutil
+
+    from fitrl.adapter_reward import separate_base
+    from fitrl.config import UsageError, save_run_info
+
+    made_by_dpo = tmp_path / "dpo"
+    shutil.copytree(reward_model, made_by_dpo)
+    save_run_info(made_by_dpo, {**load_run_info(made_by_dpo), "stage": "dpo"})
+    lm = str(demo_assets / "lm")
+    with pytest.raises(UsageError) as refused:
+        separate_base(made_by_dpo, "demo://lm", lm, str(demo_assets), True, "ppo", "rm")
+    assert str(refused.value) == f"{made_by_dpo} is the output of the dpo stage; ppo takes the rm stage's"

@@ -274,6 +274,10 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
             {"question": "Leo has 9 books and gives away 2. How many books are left?", "answer": "#### 7"},
         ],
     )
+    # docs/gsm8k.md's own reward, as written there (it reads `completion_ids`, as trl passes them)
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(completions, completion_ids, **kw): return [-len(c) / 100 for c in completion_ids]\n"
+    )
     out = tmp_path / "eval"
     result = run_script(
         "eval_gsm8k.py",
@@ -295,7 +299,8 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
         "1.0",
         "--max_new_tokens",
         "48",
-        *["--reward_funcs", "accuracy", "strict_format"],  # GRPO's own rewards, as it calls them
+        # GRPO's own rewards and the documented one of the user's, called as GRPO calls them
+        *["--reward_funcs", "accuracy", "strict_format", f"{tmp_path / 'my_rewards.py'}:brevity"],
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "skipped 1 problems whose gold answer is not a number" in result.stdout
@@ -320,6 +325,7 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
     rewards = summary["rewards"]  # the training rewards read the same completions as the metric
     assert rewards["accuracy_reward"] == pytest.approx(2.0 * summary["accuracy"])
     assert rewards["strict_format_reward"] == pytest.approx(0.5 * summary["format_compliance"])
+    assert -0.48 <= rewards["brevity"] < 0  # minus a hundredth per token of completions of at most 48
     # every completion that is not correct says why, and the summary counts the same reasons
     assert all((r["failure"] is None) == r["correct"] for r in rows)
     assert sum(summary["failures"].values()) == sum(not r["correct"] for r in rows)

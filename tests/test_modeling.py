@@ -99,6 +99,20 @@ def test_model_paths_are_checked(tmp_path: Path, demo_assets: Path) -> None:
         resolve_model_path(str(tmp_path), str(demo_assets))
 
 
+def test_a_mistyped_local_path_is_named_as_such_not_sent_to_the_hub(
+    tmp_path: Path, demo_assets: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`outputs/mergd` and `my-qwn` look like hub ids to transformers, which would retry the network (45 s
+    online) and report a connection failure: here they are folders that do not exist."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "merged").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"^model path outputs/mergd does not exist \(outputs/ holds: merged\)"):
+        resolve_model_path("outputs/mergd", str(demo_assets))
+    with pytest.raises(UsageError, match="model my-qwn is no folder here, and a hub id has the form organisation/name"):
+        resolve_model_path("my-qwn", str(demo_assets))
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct", str(demo_assets)) == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
 def test_uncached_hub_model_offline_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="cannot load model"):
         load_causal_lm(ModelArguments(model_name_or_path="nobody/not-a-model"), demo_assets=str(tmp_path))

@@ -43,6 +43,7 @@ WHOLE_MENU = ["sft", "merge", "rm", "ppo", "eval", "dpo", "eval", "grpo", "eval_
         ("neox20b-24gb", WHOLE_MENU[:6]),  # up to DPO, without its evaluation
         ("llama1b-16gb", ["grpo", "eval_gsm8k"]),
         ("qwen0.5b-16gb", WHOLE_MENU),
+        ("demo-arithmetic", ["ppo", "eval_gsm8k"]),  # PPO on GRPO's task, then GRPO's evaluation
     ],
 )
 def test_profile_runs_every_stage_it_has_a_config_for(profile: str, scripts: list[str]) -> None:

@@ -293,8 +293,10 @@ def test_neox20b_profiles_fit_an_rtx_4090_not_16gb_and_suggest_a_4bit_base() -> 
     allocator slack inside the peak."""
     neox = ["--architecture", "EleutherAI/gpt-neox-20b"]
     for stage in ["sft", "rm", "ppo", "dpo"]:
-        code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu", "RTX 4090")
+        # rm, ppo and dpo load the merge's output, not written yet: planned as the model the merge reads
+        code, fits24 = _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", "--gpu", "RTX 4090")
         assert code == 0 and fits24["fits"], fits24
+        assert fits24 == _cli("--config", CONFIGS / "neox20b-24gb" / f"{stage}.yaml", *neox, "--gpu", "RTX 4090")[1]
         assert fits24["gpu_memory_bytes"] == int(23.64 * GiB)
         assert 19.5 * GiB < fits24["components"]["weights"] < 21.5 * GiB  # 8-bit weights, fp32 embeddings
         for key in ["stage", "model", "gpu_memory_bytes", "peak_bytes", "peak_phase", "components"]:
@@ -390,6 +392,8 @@ def test_memory_table_marks_what_fits(capsys: pytest.CaptureFixture) -> None:
         (["--gpu", "t4", "--reserve_gb", "0.5"], "fits in 14.06 GiB"),
         (["--gpu", "NVIDIA GeForce RTX 4060 Ti 16GB"], "fits in 15.55 GiB"),
         (["--gpu", "RTX 5090"], "error: unknown card 'RTX 5090' (known: RTX 4090"),
+        (["--gpu", "RTX 3080 Laptop"], "fits in 15.73 GiB"),  # a unique start of a card's name
+        (["--gpu", "A100"], "error: card 'A100' could be A100 40GB or A100 80GB; give more of its name"),
         (["--gpu", "T4", "--gpu_memory_gb", "16"], "error: give --gpu or --gpu_memory_gb, not both"),
         (["--gpu", "T4", "--reserve_gb", "15"], "error: --reserve_gb 15.0 leaves nothing"),
         (["--gpu", "T4", "--reserve_gb", "nan"], "error: invalid value for '--reserve_gb'"),

@@ -238,7 +238,7 @@ def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path
     assert len(readings) == 3 and min(readings[1:]) <= readings[0] - 0.1
 
 
-# A reward a user writes in a file of their own, in trl's convention: one number per text.
+# A reward a user writes in a file of their own, in trl's convention: one number per completion.
 SAYS_GREAT = """
 def says_great(completions, **kwargs):
     return [t.lower().split().count("great") - 0.5 for t in completions]
@@ -268,9 +268,9 @@ def test_a_reward_function_in_a_file_of_its_own_scores_ppo_and_its_evaluation(
     )
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     report = json.loads((tmp_path / "eval" / "eval.json").read_text())
-    for row in report["samples"]:  # each score is the function's, of the query + response it read
+    for row in report["samples"]:  # each score is the function's, of the response it read (trl's completion)
         for who in ("policy", "reference"):
-            text = row["query"] + row[f"{who}_response"]
+            text = row[f"{who}_response"]
             assert row[f"{who}_reward"] == text.lower().split().count("great") - 0.5
 
 
@@ -413,3 +413,35 @@ def test_the_adapter_check_compares_resolved_paths(tmp_path: Path, demo_assets: 
     (bare / "adapter_config.json").write_text("{}")
     with pytest.raises(UsageError, match="records no base model"):
         check_adapter_base(bare, "demo://lm", str(demo_assets / "lm"), "eval_gsm8k", force=False, producer="grpo")
+
+
+@pytest.mark.slow
+def test_ppo_runs_on_the_arithmetic_problems_graded_against_each_problems_own_answer(
+    tmp_path: Path, demo_assets: Path
+) -> None:
+    """The engine is the sentiment stage's and knows no task: the arithmetic config hands it the questions
+    as chats and GRPO's accuracy function, which gets each problem's `answer` column beside it. Every
+    kept sample's reward is the accuracy of its own answer against its own problem's gold."""
+    from fitrl.rewards import ACCURACY_REWARD, extract_gold, is_correct
+
+    out = tmp_path / "ppo"
+    result = run_script(
+        "ppo.py",
+        *["--config", CONFIGS / "demo-arithmetic" / "ppo.yaml", "--demo_assets", demo_assets],
+        *["--output_dir", out, "--steps", "2", "--batch_size", "8", "--forward_batch_size", "8"],
+        *["--mini_batch_size", "8", "--ppo_epochs", "1", "--log_samples", "8", "--save_steps", "2"],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    gold = {
+        row["question"]: extract_gold(row["answer"]) for row in read_jsonl(demo_assets / "arithmetic" / "train.jsonl")
+    }
+    assert load_run_info(out)["health"]["reward_tokenizer"]["saw"] == "a reward function reads the text itself"
+    # The checkpoint keeps the samples as they were scored (samples.md flattens them into table cells).
+    state = json.loads((tmp_path / "ppo.checkpoints" / "step-2" / "trainer_state.json").read_text())
+    samples = state["samples"]["first"] + state["samples"]["last"]
+    assert len(samples) == 16
+    for sample in samples:
+        question = next(q for q in gold if q in sample["query"])  # the chat holds the question as its user turn
+        correct = is_correct(sample["response"], gold[question])
+        assert sample["reward"] == (ACCURACY_REWARD if correct else 0.0), sample
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == [1, 2]

@@ -35,10 +35,11 @@ class VowelReward:
 
     def score(
         self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.seen += list(zip(queries, columns["bonus"]))
         shares = [sum(c in "aeiou" for c in r) / max(len(r), 1) for r in responses]
-        return torch.tensor([s + b for s, b in zip(shares, columns["bonus"])])
+        scores = torch.tensor([s + b for s, b in zip(shares, columns["bonus"])])
+        return scores, scores > 0
 
     def tensors(self) -> list[torch.Tensor]:
         return []

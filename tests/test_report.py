@@ -31,3 +31,23 @@ def test_the_first_page_sums_up_each_stage_and_the_html_renders_code(tmp_path: P
     assert "- peak memory planned 200 MiB, measured 189 MiB on ? (tensors)" in md
     page = html_path.read_text()
     assert f"Output: <code>{tmp_path / 'sft'}</code>" in page and "`" not in page
+
+
+def test_a_guard_that_could_not_run_is_reported_as_not_run_never_as_passed(tmp_path: Path) -> None:
+    """A run without a held-out split has no reward-hacking reading: the report says so rather than
+    counting that guard among those that passed."""
+    from fitrl.guards import Health
+
+    health = Health()
+    health.passed("trainable", "x")
+    health.not_run("reward_hacking", "one data file has no held-out split (give a directory)")
+    health.passed("reward_hacking", "a later pass does not turn it into a pass")
+    assert health.seen["reward_hacking"]["passed"] is True  # ... unless the guard did run after all
+    health.not_run("reward_hacking", "one data file has no held-out split (give a directory)")
+    _stage_output(tmp_path, "dpo", [0.7, 0.5], health.to_json(), {})
+    md = report.write(tmp_path, title="t")[0].read_text()
+    assert "| all 1 passed, 1 not run |" in md
+    assert (
+        "- guards passed: trainable; not run: reward_hacking (one data file has no held-out split (give a directory))"
+        in md
+    )

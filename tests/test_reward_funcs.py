@@ -77,3 +77,39 @@ def test_none_is_allowed_and_the_first_function_shows_each_batch_to_the_monitors
     assert seen == [([[1], [2]], log)]  # once per batch: through the first function only
     assert [f.__name__ for f in funcs] == ["accuracy_reward", "soft_format_reward"]  # trl's metric names
     assert Checked("n", lambda completions, **kw: [None, 1])(["a", "b"]) == [None, 1]
+
+
+def test_a_function_that_cannot_be_called_as_trl_calls_it_is_one_line_naming_its_parameter(
+    tmp_path: Path,
+) -> None:
+    """trl calls a reward with prompts, completions, completion_ids (and its hooks) and the data's columns
+    as keywords: a required parameter that is none of those fails before anything loads."""
+    from fitrl.reward_funcs import check_call
+
+    def needs_solution(completions, solution):  # noqa: ANN001, ANN202
+        return [0.0] * len(completions)
+
+    with pytest.raises(UsageError, match=r"reward_funcs: reward 'mine' takes 'solution', which is not passed"):
+        check_call("mine", needs_solution, ["question", "answer"], "reward_funcs")
+    check_call("mine", needs_solution, ["question", "solution"], "reward_funcs")  # a column of that name
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    brevity = resolve(f"{tmp_path / 'my_rewards.py'}:brevity")
+    check_call("brevity", brevity, [], "reward_function")  # completion_ids is one of trl's keywords
+    check_call("accuracy", accuracy_reward, [], "reward_funcs")  # gold has a default: PPO hands `answer`
+
+
+def test_ppo_calls_a_reward_function_as_grpo_does(tmp_path: Path) -> None:
+    """The documented GRPO reward works unchanged in PPO: the responses as completions, the queries as
+    prompts, each response's token ids, and the prompts' `reward_columns`."""
+    from fitrl.sentiment import FunctionReward, RewardArguments
+
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    reward = FunctionReward(RewardArguments(reward_function=f"{tmp_path / 'my_rewards.py'}:brevity"))
+    scores, positive = reward.score(["Q1 ", "Q2 "], ["a b", "c"], {"completion_ids": [[1, 2, 3], [4]]})
+    assert scores.tolist() == pytest.approx([-0.3, -0.1]) and not positive.any()
+    graded = FunctionReward(RewardArguments(reward_function="accuracy"))
+    done = "<reasoning>\n2 + 2 = 4\n</reasoning>\n<answer>\n4\n</answer>"
+    scores, _ = graded.score(
+        ["q", "q"], [done, done], {"answer": ["2 + 2 = 4\n#### 4", "5"], "completion_ids": [[], []]}
+    )
+    assert scores.tolist() == [2.0, 0.0]  # graded against each prompt's own answer column

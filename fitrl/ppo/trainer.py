@@ -286,7 +286,8 @@ class PPOTrainer:
             with self.health.timed():
                 joined = [q + r for q, r in zip(q_texts, r_texts)]
                 check_reward_tokenizer(joined, self.tokenizer, self.reward.tokenizer, self.health)
-        raw = self.reward.score(q_texts, r_texts, columns).to(self.device)  # (B,)
+        columns = {**columns, "completion_ids": [ids for r in rollouts for ids in r.response_ids()]}
+        raw = self.reward.score(q_texts, r_texts, columns)[0].to(self.device)  # (B,)
         if not torch.isfinite(raw).all():
             raise self.stopped("non-finite reward", step + 1)
         scores = raw

@@ -22,21 +22,26 @@ then answers held-out prompts with the policy and its reference, as PPO's evalua
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
-from fitrl.guards import Health
-from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.hf_trainer import (
+    TrainerRun,
+    quiet_progress,
+    reference_guard,
+    start_metrics,
+    trainer_arguments,
+    trainer_callbacks,
+)
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
-from fitrl.memory import StepPeak, memory_report
+from fitrl.memory import memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
-from fitrl.outputs import MetricsLog, staged_output_dir
+from fitrl.outputs import staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
 from fitrl.process import entrypoint
@@ -44,7 +49,7 @@ from fitrl.stages.dpo import EVAL_FILE, STAGE, DPOArguments
 
 
 @dataclass
-class Run:
+class Run(TrainerRun):
     """What lives for the whole run: configs, inputs, and the trainer once built."""
 
     model_args: ModelArguments
@@ -53,12 +58,6 @@ class Run:
     args: DPOArguments
     demo_args: DemoArguments
     inputs: PairInputs
-    out: Path | None = None
-    trainer: Any = None
-    metrics: MetricsLog | None = None
-    planned_peak_mb: float | None = None
-    step_peak: StepPeak = field(default_factory=StepPeak)
-    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:

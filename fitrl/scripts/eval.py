@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
@@ -39,7 +38,8 @@ from fitrl.sentiment import (
     load_reward,
     prompt_texts,
 )
-from fitrl.stages.eval_sentiment import POLICY_STAGES, STAGE
+from fitrl.stages import policy_stages
+from fitrl.stages.eval_sentiment import STAGE
 
 
 def summary(scores: torch.Tensor) -> dict[str, float]:
@@ -60,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     model_args, prompt_args, reward_args, args, demo_args = STAGE.parse(argv)
     adapter_dir, model_path, reward_base = preflight(model_args, prompt_args, reward_args, args, demo_args)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    built = build_queries(tokenizer, prompt_args, demo_args.demo_assets, args.seed)
+    built = build_queries(tokenizer, prompt_args, demo_args.demo_assets, args.seed, reward_args.reward_columns)
     queries = built.ids[: args.n_prompts]
+    columns = {k: v[: args.n_prompts] for k, v in built.columns.items()}  # reward_columns, as PPO read them
     stop_at_eos = prompt_args.stops_at_eos(built.chat)  # as PPO resolved it (its setting stays as given)
 
     from peft import PeftModel
@@ -71,19 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     if model_args.quantization == "none":
         model.to(device)
     policy = PeftModel.from_pretrained(model, adapter_dir).eval()
-    if reward_base is not None:  # an rm adapter of another base, on its own copy of that base
-        reward = SeparateAdapterReward(reward_base, reward_args, device)
-    elif reward_args.reward_adapter:  # the reward model as a second adapter and a head on this backbone
-        reward = AdapterReward(policy, reward_args.reward_adapter, tokenizer, reward_args.reward_batch_size)
-    else:
-        reward = load_reward(reward_args, demo_args.demo_assets, device)
+    reward = load_reward(reward_args, demo_args.demo_assets, device, reward_base, policy, tokenizer)
     judge = None
     if args.judge_model:
         judge = SentimentJudge(args.judge_model, args.judge_positive_label, demo_args.demo_assets, device)
     vocabulary = corpus_vocabulary(prompt_texts(prompt_args, "train", demo_args.demo_assets))
 
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
-        rows = answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args, reward, judge, device)
+        rows = answer_and_score(
+            policy, tokenizer, queries, columns, prompt_args, stop_at_eos, args, reward, judge, device
+        )
         report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
         (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
         table = report_table(report, args.n_samples_shown)
@@ -108,15 +106,24 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     check_adapter_files(adapter_dir, "policy")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
-    producer = made_by if made_by in POLICY_STAGES else STAGE.reads[1]
+    producer = made_by if made_by in policy_stages() else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
-    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, demo_args.demo_assets)
+    reward_base = check_reward(
+        reward_args,
+        model_args.model_name_or_path,
+        model_path,
+        demo_args.demo_assets,
+        STAGE.name,
+        STAGE.producer_of("reward_adapter"),
+    )
     if args.judge_model:
         check_judge(args.judge_model, args.judge_positive_label, demo_args.demo_assets)
     return adapter_dir, model_path, reward_base
 
 
-def answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args, reward, judge, device) -> list[dict]:
+def answer_and_score(
+    policy, tokenizer, queries, columns, prompt_args, stop_at_eos, args, reward, judge, device
+) -> list[dict]:
     """Policy and reference answer every query at the same drawn length; the reward and judge score both."""
     gen = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(
@@ -141,7 +148,11 @@ def answer_and_score(policy, tokenizer, queries, prompt_args, stop_at_eos, args,
             "policy": [q + r for q, r in zip(q_texts, p_texts)],
             "reference": [q + r for q, r in zip(q_texts, r_texts)],
         }
-        scored = {who: reward.classify(t) for who, t in texts.items()}
+        batch = {k: v[c : c + args.batch_size] for k, v in columns.items()}
+        scored = {
+            who: reward.score(q_texts, rs, {**batch, "completion_ids": r.response_ids()})
+            for who, rs, r in [("policy", p_texts, rollout), ("reference", r_texts, ref_rollout)]
+        }
         verdicts = {who: judge(t) if judge else None for who, t in texts.items()}
         for i, q in enumerate(q_texts):
             row = {"query": q, "policy_response": p_texts[i], "reference_response": r_texts[i], "kl": kl[i].item()}

@@ -25,7 +25,7 @@ from typing import Any
 
 from fitrl.answer_format import ensure_chat_template
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import save_run_config
+from fitrl.config import load_run_info, save_run_config
 from fitrl.data import split_name
 from fitrl.gsm8k import (
     add_prompts,
@@ -38,9 +38,10 @@ from fitrl.gsm8k import (
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.process import entrypoint
-from fitrl.reward_funcs import reward_functions
+from fitrl.reward_funcs import reward_functions, trl_keywords
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats
+from fitrl.stages import policy_stages
 from fitrl.stages.eval_gsm8k import STAGE
 
 
@@ -48,7 +49,7 @@ def check_adapter(adapter: str | None) -> Path | None:
     if adapter is None or adapter.lower() in ("", "null", "none"):  # `--adapter null` on the command line
         return None
     path = Path(adapter).expanduser()
-    check_adapter_files(path, "GRPO")
+    check_adapter_files(path, "GRPO (or PPO)")
     return path
 
 
@@ -72,7 +73,9 @@ def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inp
     reward_funcs = reward_functions(args.reward_funcs)
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
-        check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, STAGE.reads[1])
+        made_by = load_run_info(adapter).get("stage")  # GRPO's policy, or PPO's on the same problems
+        producer = made_by if made_by in policy_stages() else STAGE.reads[1]
+        check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     problems, skipped = load_problems(data_args, demo_args.demo_assets)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.
     tokenizer = load_tokenizer(str(adapter or model_path), model_args.trust_remote_code, padding_side="left")
@@ -81,6 +84,8 @@ def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inp
     dataset, n_too_long = add_prompts(
         problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length, examples
     )
+    for function in reward_funcs:  # called as GRPO calls them, with these columns
+        function.check(dataset.column_names)
     return Inputs(model_path, adapter, tokenizer, dataset, skipped, n_too_long, reward_funcs)
 
 
@@ -119,7 +124,7 @@ def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[
     def scored(completions: list[list[str]]) -> dict[str, Any]:
         found = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
         if inputs.reward_funcs:
-            found["rewards"] = reward_means(inputs.reward_funcs, inputs.dataset, completions)
+            found["rewards"] = reward_means(inputs.reward_funcs, inputs.dataset, completions, inputs.tokenizer)
         return found
 
     completions = complete("with adapter" if inputs.adapter else "generating")
@@ -130,15 +135,20 @@ def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[
     return completions, scores, base_scores
 
 
-def reward_means(funcs: list[Any], dataset: Any, completions: list[list[str]]) -> dict[str, float | None]:
-    """Each reward function's mean over every completion, called as GRPO calls it: chat completions, and
-    the dataset's columns as keywords, one row per completion (None where it abstains everywhere)."""
+def reward_means(
+    funcs: list[Any], dataset: Any, completions: list[list[str]], tokenizer: Any
+) -> dict[str, float | None]:
+    """Each reward function's mean over every completion, called as GRPO calls it: chat completions, trl's
+    keywords (`completion_ids` too) and the dataset's columns, one row per completion (None where it
+    abstains everywhere)."""
     rows = [(i, c) for i, cs in enumerate(completions) for c in cs]
     chats = [[{"role": "assistant", "content": c}] for _, c in rows]
     columns = {k: [dataset[i][k] for i, _ in rows] for k in dataset.column_names if k != "prompt"}
+    ids = [tokenizer(c, add_special_tokens=False).input_ids for _, c in rows]
+    keywords = trl_keywords([dataset[i]["prompt"] for i, _ in rows], ids)
     means = {}
     for f in funcs:
-        values = [v for v in f(chats, prompts=[dataset[i]["prompt"] for i, _ in rows], **columns) if v is not None]
+        values = [v for v in f(chats, **keywords, **columns) if v is not None]
         means[f.__name__] = sum(values) / len(values) if values else None
     return means
 

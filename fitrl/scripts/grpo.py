@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fitrl.answer_format import ensure_chat_template, render_prompt
@@ -40,11 +39,18 @@ from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
 from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
-from fitrl.guards import HackingGuard, Health, check_prompts, check_stop_token, repetition
-from fitrl.hf_trainer import quiet_progress, reference_guard, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.guards import HackingGuard, Health, check_prompts, check_stop_token, heldout_set, repetition
+from fitrl.hf_trainer import (
+    TrainerRun,
+    quiet_progress,
+    reference_guard,
+    start_metrics,
+    trainer_arguments,
+    trainer_callbacks,
+)
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
-from fitrl.memory import StepPeak, memory_report, peak_memory_mb
+from fitrl.memory import memory_report, peak_memory_mb
 from fitrl.modeling import (
     GRPO_LORA_TARGETS,
     LoraArguments,
@@ -54,7 +60,7 @@ from fitrl.modeling import (
     lora_config,
     resolve_model_path,
 )
-from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
+from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
 from fitrl.reward_funcs import Checked, format_only, reward_functions
@@ -83,7 +89,7 @@ CURVES = ["reward", "heldout/accuracy", "completions/mean_length", "kl"]  # and 
 
 
 @dataclass
-class Run:
+class Run(TrainerRun):
     """What lives for the whole run: configs, the problems as prompts, the trainer once built."""
 
     model_args: ModelArguments
@@ -99,15 +105,9 @@ class Run:
     resume: str | None
     checkpoints_existed: bool
     training_args: Any = None  # trl's GRPOConfig
-    planned_peak_mb: float | None = None
-    out: Path | None = None
-    trainer: Any = None
-    metrics: MetricsLog | None = None
     heldout: Any = None  # the problems the reward-hacking guard grades (None: that guard is off)
     shown: Any = None  # the problems whose greedy completions are shown before and after
     samples_before: list[str] = field(default_factory=list)
-    step_peak: StepPeak = field(default_factory=StepPeak)
-    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:
@@ -135,6 +135,8 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     plain_template = ensure_chat_template(tokenizer)
     dataset, n_too_long = add_prompts(problems, tokenizer, data_args.system_prompt, data_args.max_prompt_length)
     check_enough_problems(len(dataset), args)
+    for function in reward_funcs:  # a function trl could not call with these columns fails here, not mid-run
+        function.check(dataset.column_names)
     if args.use_vllm and cpu_only():
         raise UsageError("use_vllm needs a CUDA GPU; set use_vllm false on this machine")
     details = {
@@ -261,21 +263,17 @@ def log_repetition(completion_ids: list[list[int]], log_metric: Any, health: Hea
 def heldout_problems(run: Run) -> Any:
     """The problems the reward-hacking guard grades: `guard_heldout_split` of the data, never trained on."""
     args, data_args = run.args, run.data_args
-    if args.guard_heldout_every == 0:
-        run.health.passed("reward_hacking", "not run: guard_heldout_every is 0")
-        return None
-    if Path(data_args.dataset).expanduser().is_file():  # one file is one split: nothing held out
-        run.health.passed("reward_hacking", "not run: one data file has no held-out split (give a directory)")
-        return None
     heldout = dataclasses.replace(
         data_args, dataset_split=args.guard_heldout_split, max_samples=args.guard_heldout_problems
     )
-    try:
+
+    def load() -> Any:
         problems, _ = load_problems(heldout, run.demo_args.demo_assets)
-    except UsageError as e:
-        raise UsageError(f"{e}; set guard_heldout_split to a held-out split, or guard_heldout_every 0") from None
-    dataset, _ = add_prompts(problems, run.tokenizer, data_args.system_prompt, data_args.max_prompt_length)
-    return dataset
+        return add_prompts(problems, run.tokenizer, data_args.system_prompt, data_args.max_prompt_length)[0]
+
+    off = "guard_heldout_every is 0" if args.guard_heldout_every == 0 else None
+    fix = "set guard_heldout_split to a held-out split, or guard_heldout_every 0"
+    return heldout_set(run.health, off, data_args.dataset, load, fix)
 
 
 def heldout_callback(run: Run) -> Any:

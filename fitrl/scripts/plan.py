@@ -31,7 +31,6 @@ from fitrl import planner, stages
 from fitrl.architectures import architecture
 from fitrl.config import ArgumentParser, UsageError, first_line
 from fitrl.demo import DemoArguments
-from fitrl.modeling import ModelArguments
 from fitrl.process import entrypoint
 from fitrl.stages.base import config_of
 
@@ -124,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = planner_arguments().parse_known_args(argv)
     stage = stages.get(stage_of(args, rest))
     configs = stage.parse(rest)
-    model = args.architecture or config_of(configs, ModelArguments).model_name_or_path
+    config_file = Path(rest[rest.index("--config") + 1]) if "--config" in rest[:-1] else None
+    model = args.architecture or stages.architecture_source(stage, configs, config_file)
     config = architecture(model, config_of(configs, DemoArguments).demo_assets)
     gpu_bytes, present = gpu_memory_bytes(args.gpu_memory_gb, args.gpu, args.reserve_gb)
     if args.world_size < 1:

@@ -27,13 +27,12 @@ from typing import Any
 import torch
 
 from fitrl import signals
-from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.checkpoints import resume_checkpoint
 from fitrl.config import RunFailed, Terminated, UsageError, config_dict
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
-from fitrl.guards import HackingGuard, Health, Monitors, check_prompt_length
+from fitrl.guards import HackingGuard, Health, Monitors, check_prompt_length, heldout_set
 from fitrl.hub import push_output
 from fitrl.memory import memory_report, tensor_bytes
 from fitrl.modeling import (
@@ -51,7 +50,6 @@ from fitrl.ppo import metrics
 from fitrl.ppo.step import PolicyAndValue
 from fitrl.ppo.trainer import PPOTrainer, Prompts, Sampling
 from fitrl.process import entrypoint
-from fitrl.reward import Reward
 from fitrl.rollout import decode
 from fitrl.sentiment import (
     PromptArguments,
@@ -62,6 +60,7 @@ from fitrl.sentiment import (
     check_reward,
     load_reward,
 )
+from fitrl.stages.base import start_end
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
 
 
@@ -123,9 +122,11 @@ def preflight(configs: tuple[Any, ...]) -> Run:
             "single_gpu.yaml, ddp_2gpu.yaml)"
         )
     model_path = resolve_model_path(model_args.model_name_or_path, cache)
-    reward_base = check_reward(reward_args, model_args.model_name_or_path, model_path, cache)
+    reward_base = check_reward(
+        reward_args, model_args.model_name_or_path, model_path, cache, STAGE.name, STAGE.producer_of("reward_adapter")
+    )
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    queries = build_queries(tokenizer, prompt_args, cache, args.seed)
+    queries = build_queries(tokenizer, prompt_args, cache, args.seed, reward_args.reward_columns)
     if len(queries) < args.batch_size:
         raise UsageError(f"only {len(queries)} prompts for batch_size {args.batch_size}; lower batch_size")
 
@@ -142,7 +143,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
         log_with=None if args.report_to == "none" else args.report_to,
         project_config=logs,
     )
-    run = Run(*configs, accelerator, model_path, tokenizer, Prompts(queries.ids), resume)
+    run = Run(*configs, accelerator, model_path, tokenizer, Prompts(queries.ids, queries.columns), resume)
     run.reward_base = reward_base
     run.prompt_summary = queries.summary(prompt_args)
     run.sampling = Sampling(
@@ -168,14 +169,10 @@ def build(run: Run) -> None:
     """The reward (first: a bad one should not cost a backbone load), the backbone, a fresh LoRA policy
     and value head, the optimizer, and the engine around them."""
     args, reward_args = run.args, run.reward_args
-    reward: Reward | None = None
-    if run.reward_base is not None:
-        reward = SeparateAdapterReward(run.reward_base, reward_args, run.device)
-        if run.accelerator.is_main_process:
-            print(f"PPO: reward adapter {reward_args.reward_adapter} loaded on its own copy of {run.reward_base}, "
-                  f"{tensor_bytes(reward.tensors()) / 2**20:.1f} MiB beside the policy")  # fmt: skip
-    elif not reward_args.reward_adapter:
-        reward = load_reward(reward_args, run.demo_args.demo_assets, run.device)
+    reward = load_reward(reward_args, run.demo_args.demo_assets, run.device, run.reward_base)
+    if run.reward_base is not None and run.accelerator.is_main_process:
+        print(f"PPO: reward adapter {reward_args.reward_adapter} loaded on its own copy of {run.reward_base}, "
+              f"{tensor_bytes(reward.tensors()) / 2**20:.1f} MiB beside the policy")  # fmt: skip
     backbone = load_causal_lm(
         run.model_args,
         path=run.model_path,
@@ -186,7 +183,7 @@ def build(run: Run) -> None:
     model = PolicyAndValue(add_lora(backbone, run.lora_args), backbone.config.hidden_size)
     model.value_head.to(run.device)  # the backbone is already placed (device_map) or moved by prepare()
     if reward is None:  # an rm adapter and its head on this backbone
-        reward = AdapterReward(model.policy, reward_args.reward_adapter, run.tokenizer, reward_args.reward_batch_size)
+        reward = load_reward(reward_args, run.demo_args.demo_assets, run.device, None, model.policy, run.tokenizer)
     if run.judge_queries:
         run.judge = SentimentJudge(
             args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_assets, run.device
@@ -221,21 +218,18 @@ def build(run: Run) -> None:
 
 def judge_queries(run: Run) -> list[list[int]]:
     """The held-out prompts the reward-hacking guard's judge reads responses to (none: that guard is off)."""
-    args, prompt_args = run.args, run.prompt_args
-    if not args.guard_judge_model:
-        run.health.passed("reward_hacking", "not run: no guard_judge_model")
-        return []
-    if Path(prompt_args.dataset).expanduser().is_file():  # one file is one split: nothing held out
-        run.health.passed("reward_hacking", "not run: one prompt file has no held-out split (give a directory)")
-        return []
-    check_judge(args.guard_judge_model, args.guard_judge_positive_label, run.demo_args.demo_assets)
+    args, prompt_args, assets = run.args, run.prompt_args, run.demo_args.demo_assets
     heldout = dataclasses.replace(
         prompt_args, dataset_split=args.guard_judge_split, max_prompts=args.guard_judge_prompts
     )
-    try:
-        return build_queries(run.tokenizer, heldout, run.demo_args.demo_assets, args.seed).ids
-    except UsageError as e:
-        raise UsageError(f"{e}; set guard_judge_split to a held-out split, or leave guard_judge_model empty") from None
+
+    def load() -> list[list[int]]:
+        check_judge(args.guard_judge_model, args.guard_judge_positive_label, assets)
+        return build_queries(run.tokenizer, heldout, assets, args.seed).ids
+
+    off = None if args.guard_judge_model else "no guard_judge_model"
+    fix = "set guard_judge_split to a held-out split, or leave guard_judge_model empty"
+    return heldout_set(run.health, off, prompt_args.dataset, load, fix) or []
 
 
 def judge_reading(run: Run, step: int) -> float:
@@ -283,6 +277,7 @@ def finish(run: Run) -> None:
         run.hacking.finish()
     rows = trainer.state.metrics
     rewards = [r[metrics.REWARD_MEAN] for r in rows]
+    start, end = start_end(rewards)  # the report's reading: means of the first and last few steps
     end = TrainingEnd(
         stage=STAGE.name,
         configs=run.configs,
@@ -297,7 +292,7 @@ def finish(run: Run) -> None:
         curves=[metrics.REWARD_MEAN, metrics.JUDGE_MEAN, metrics.KL, metrics.KL_COEF, metrics.VALUE_LOSS],
         plot=STAGE.plot,
         title=f"PPO on {run.model_args.model_name_or_path}",
-        summary=f"PPO done: reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(rewards)} steps",
+        summary=f"PPO done: reward {start:.3f} -> {end:.3f} over {len(rewards)} steps (as the report reads it)",
         resumed_from=str(run.resume) if run.resume else None,
         health=run.health,
         details={

@@ -21,8 +21,7 @@ accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,11 +30,10 @@ from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
-from fitrl.guards import Health
-from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.hf_trainer import TrainerRun, quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
-from fitrl.memory import StepPeak, memory_report
+from fitrl.memory import memory_report
 from fitrl.modeling import (
     SCORE_HEAD,
     LoraArguments,
@@ -44,7 +42,7 @@ from fitrl.modeling import (
     lora_config,
     unloaded_bitsandbytes_hidden,
 )
-from fitrl.outputs import MetricsLog, plot_histograms, staged_output_dir
+from fitrl.outputs import plot_histograms, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
 from fitrl.process import entrypoint
@@ -52,7 +50,7 @@ from fitrl.stages.rm import EVAL_FILE, STAGE, RMArguments
 
 
 @dataclass
-class Run:
+class Run(TrainerRun):
     """What lives for the whole run: configs, inputs, and the trainer once built."""
 
     model_args: ModelArguments
@@ -61,12 +59,6 @@ class Run:
     args: RMArguments
     demo_args: DemoArguments
     inputs: PairInputs
-    out: Path | None = None
-    trainer: Any = None
-    metrics: MetricsLog | None = None
-    planned_peak_mb: float | None = None
-    step_peak: StepPeak = field(default_factory=StepPeak)
-    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:

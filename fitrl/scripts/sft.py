@@ -21,8 +21,7 @@ staged output, so a stopped run keeps them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from fitrl.chat import check_chat, is_chat, use_chat_template
@@ -32,20 +31,19 @@ from fitrl.data import load_dataset_any, require_columns, text_rows
 from fitrl.demo import DemoArguments
 from fitrl.distributed import process_state
 from fitrl.ending import TrainingEnd, finish_training
-from fitrl.guards import Health
-from fitrl.hf_trainer import quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
+from fitrl.hf_trainer import TrainerRun, quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
 from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
-from fitrl.memory import StepPeak, memory_report
+from fitrl.memory import memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import MetricsLog, check_output_dir, staged_output_dir
+from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
 from fitrl.stages.sft import STAGE, SFTArguments
 
 
 @dataclass
-class Run:
+class Run(TrainerRun):
     """What lives for the whole run: configs, inputs, and the trainer once built."""
 
     model_args: ModelArguments
@@ -57,12 +55,6 @@ class Run:
     tokenizer: Any
     resume: str | None
     checkpoints_existed: bool
-    out: Path | None = None
-    trainer: Any = None
-    metrics: MetricsLog | None = None
-    planned_peak_mb: float | None = None
-    step_peak: StepPeak = field(default_factory=StepPeak)
-    health: Health = field(default_factory=Health)  # what the guards saw
 
     @property
     def configs(self) -> tuple[Any, ...]:

@@ -8,8 +8,10 @@ its place in the pipeline, its memory workload and suggestions, its report figur
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from fitrl.config import UsageError
+from fitrl.demo import is_demo_uri
 from fitrl.stages import dpo, eval_dpo, eval_gsm8k, eval_sentiment, grpo, merge, ppo, rm, sft
 from fitrl.stages.base import Stage, StageMemory
 
@@ -72,6 +74,35 @@ def profile_dir(profile: str) -> Path:
     )
 
 
+def starting_model(configs: tuple[Any, ...]) -> str | None:
+    """The model a stage starts from: its `model_name_or_path`, or the merge's `base_model`."""
+    for config in configs:
+        for key in ("model_name_or_path", "base_model"):
+            if getattr(config, key, None):
+                return getattr(config, key)
+    return None
+
+
+def architecture_source(stage: Stage, configs: tuple[Any, ...], config_file: Path | None) -> str | None:
+    """The model whose architecture `stage` loads: the one it starts from, or, where an earlier stage
+    writes that model and has not run yet (PPO's merged model), the model that stage starts from, read
+    from its config beside `config_file` (a profile's folder)."""
+    name = starting_model(configs)
+    while name and not is_demo_uri(name) and not Path(name).expanduser().exists() and config_file is not None:
+        producer = stage.producer_of("model_name_or_path")
+        earlier = config_file.parent / f"{producer}.yaml" if producer else None
+        if earlier is None or not earlier.is_file():
+            break
+        stage, config_file = get(producer), earlier
+        name = starting_model(stage.parse(["--config", str(earlier)]))
+    return name
+
+
+def policy_stages() -> tuple[str, ...]:
+    """The stages whose output is a policy adapter (`Stage.writes_policy`): what an evaluation judges."""
+    return tuple(s.name for s in STAGES if s.writes_policy)
+
+
 def inputs(stage: Stage, profile: Path) -> list[tuple[str, str]]:
     """(setting, stage) for each input `stage` takes from another stage's output in a run of `profile` (a
     folder of `<stage>.yaml`): where the profile has that stage (else the config names its own input),
@@ -102,8 +133,11 @@ __all__ = [
     "Stage",
     "StageMemory",
     "get",
+    "architecture_source",
     "inputs",
+    "policy_stages",
     "profile_dir",
     "profiles",
     "stage_args",
+    "starting_model",
 ]

@@ -83,11 +83,16 @@ class Stage:
     # table cells, which the report sets side by side, a row per policy.
     side_by_side: Callable[[Path], dict[str, str]] | None = None
     writes_full_model: bool = False  # a whole model, the size of its base (the merge): the doctor counts its disk
+    writes_policy: bool = False  # a policy adapter, which the evaluations judge whichever stage trained it
     # The model card's loading snippet (`fitrl.ending.model_card`): the class the base loads as, the
     # arguments it takes beyond the base, and what else the output holds.
     card_model_class: str = "AutoModelForCausalLM"
     card_model_kwargs: str = ""
     card_notes: tuple[str, ...] = ()
+
+    def producer_of(self, setting: str) -> str | None:
+        """The stage whose output `setting` names (`reads`, `reads_if_set`), or None."""
+        return dict([*([self.reads] if self.reads else []), *self.reads_if_set]).get(setting)
 
     def parse(self, argv: Sequence[str] | None = None) -> Configs:
         """The stage's settings from `--config` and flags, exactly as its program reads them."""

@@ -110,6 +110,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="dpo",
+    writes_policy=True,
     module="fitrl.scripts.dpo",
     config_types=CONFIG_TYPES,
     output_dir="dpo",

@@ -46,10 +46,6 @@ class SentimentEvalArguments:
 CONFIG_TYPES = (ModelArguments, PromptArguments, RewardArguments, SentimentEvalArguments, DemoArguments)
 
 
-# The stages whose adapter is a policy this evaluation can judge.
-POLICY_STAGES = ("ppo", "dpo")
-
-
 def ppo_settings(argv: list[str]) -> dict:
     """The model, prompt and reward settings the policy's run wrote to its `run_config.yaml`.
 

@@ -10,19 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.config import UsageError, check, check_tracker, help_field
+from fitrl.config import UsageError, check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.guards import Limit
-from fitrl.hub import HubSettings
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
 from fitrl.reward_funcs import DEFAULT_REWARDS
 from fitrl.stages.base import (
-    STRICT_GUARDS_HELP,
     Configs,
     Moves,
     Stage,
     StageMemory,
+    TrainerSettings,
     config_of,
     halve_micro_batch,
     lora_workload,
@@ -36,27 +35,26 @@ REPETITION_KEY = "completions/repetition"  # logged by the first reward function
 
 
 @dataclass
-class GRPOArguments(HubSettings):
-    """Training settings of the GRPO stage (defaults: the Llama-1B blog's)."""
+class GRPOArguments(TrainerSettings):
+    """Training settings of the GRPO stage: the trainer settings every trl stage shares, with the
+    Llama-1B blog's defaults, and GRPO's own."""
 
     output_dir: str = help_field("outputs/grpo", "Where the adapter, config, metrics, curves and samples go.")
-    overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
     learning_rate: float = help_field(5e-6, "Peak learning rate of the LoRA weights.")
-    adam_beta1: float = help_field(0.9, "AdamW beta1.")
-    adam_beta2: float = help_field(0.99, "AdamW beta2.")
-    weight_decay: float = help_field(0.1, "AdamW weight decay.")
-    warmup_ratio: float = help_field(0.1, "Fraction of the steps spent warming the learning rate up.")
-    lr_scheduler_type: Literal["cosine", "linear", "constant", "constant_with_warmup"] = help_field(
-        "cosine", "Learning-rate schedule."
-    )
-    max_grad_norm: float = help_field(0.1, "Clip the gradient norm to this.")
-    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = help_field(
+    per_device_train_batch_size: int = help_field(4, "Completions per device per forward/backward pass.")
+    optim: Literal["adamw_torch", "adamw_bnb_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor"] = help_field(
         "adamw_torch", "Optimizer; the 8-bit and paged ones (bitsandbytes) keep Adam's state small or pageable."
     )
-    num_train_epochs: float = help_field(1.0, "Passes over the problems (ignored when max_steps > 0).")
-    max_steps: int = help_field(-1, "Stop after this many optimizer steps (-1: run num_train_epochs).")
-    per_device_train_batch_size: int = help_field(4, "Completions per device per forward/backward pass.")
-    gradient_accumulation_steps: int = help_field(1, "Passes summed into one optimizer step.")
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = help_field(
+        "cosine", "Learning-rate schedule."
+    )
+    warmup_ratio: float = help_field(0.1, "Fraction of the steps spent warming the learning rate up.")
+    weight_decay: float = help_field(0.1, "AdamW weight decay.")
+    max_grad_norm: float = help_field(0.1, "Clip the gradient norm to this.")
+    logging_steps: int = help_field(1, "Log (metrics.jsonl, progress bar) every this many steps.")
+    seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
+    adam_beta1: float = help_field(0.9, "AdamW beta1.")
+    adam_beta2: float = help_field(0.99, "AdamW beta2.")
     num_generations: int = help_field(4, "Completions sampled per question: the group GRPO normalises over.")
     max_completion_length: int = help_field(786, "Longest completion in tokens.")
     temperature: float = help_field(1.0, "Sampling temperature of the completions.")
@@ -80,16 +78,9 @@ class GRPOArguments(HubSettings):
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = help_field(
         "dapo", "How token losses are averaged: 'grpo' per sequence (length-biased), 'dapo' per token."
     )
-    gradient_checkpointing: bool = help_field(True, "Recompute activations in backward: far less memory, ~30% slower.")
     use_vllm: bool = help_field(False, "Generate with vLLM colocated on the GPU (needs vllm installed and CUDA).")
     vllm_gpu_memory_utilization: float = help_field(0.3, "Share of the GPU vLLM may take when use_vllm is on.")
-    logging_steps: int = help_field(1, "Log (metrics.jsonl, progress bar) every this many steps.")
-    save_steps: int = help_field(0, "Save a resumable checkpoint every this many steps (0: none).")
-    resume_from_checkpoint: str | None = help_field(None, "A checkpoint directory, or 'latest', to continue from.")
     num_samples_to_show: int = help_field(4, "Questions whose greedy completions are shown before and after.")
-    report_to: Literal["none", "tensorboard", "wandb"] = help_field("none", "Extra tracker for the training log.")
-    seed: int = help_field(42, "Random seed (LoRA init, data order, sampling).")
-    strict_guards: bool = help_field(False, STRICT_GUARDS_HELP)
     guard_kl_max: float = help_field(
         1.0, "Guard: the KL to the reference (trl's kl, nats per token, logged when beta > 0) above this (inf: off)."
     )
@@ -116,7 +107,6 @@ class GRPOArguments(HubSettings):
 
     def validate(self) -> None:
         super().validate()
-        check_tracker(self.report_to)
         check(self.guard_kl_max > 0, "guard_kl_max", "> 0 (inf: off)")
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
         check(0 < self.guard_truncated_max <= 1, "guard_truncated_max", "in (0, 1]")
@@ -132,25 +122,16 @@ class GRPOArguments(HubSettings):
                 "reward_weights",
                 f"one weight per reward in reward_funcs ({len(self.reward_funcs)})",
             )
-        check(self.learning_rate > 0, "learning_rate", "> 0")
         check(self.num_generations >= 2, "num_generations", ">= 2 (GRPO compares completions within a group)")
         check(self.max_completion_length >= 1, "max_completion_length", ">= 1")
         check(self.temperature > 0, "temperature", "> 0")
-        check(self.per_device_train_batch_size >= 1, "per_device_train_batch_size", ">= 1")
-        check(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", ">= 1")
-        check(self.max_steps == -1 or self.max_steps >= 1, "max_steps", "-1 or >= 1")
         check(self.beta >= 0, "beta", ">= 0")
         check(self.num_iterations >= 1, "num_iterations", ">= 1")
         check(self.epsilon > 0, "epsilon", "> 0")
-        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "in [0, 1)")
-        check(self.save_steps >= 0, "save_steps", ">= 0")
         check(self.num_samples_to_show >= 0, "num_samples_to_show", ">= 0")
-        check(self.weight_decay >= 0, "weight_decay", ">= 0")
         check(0 <= self.adam_beta1 < 1, "adam_beta1", "in [0, 1)")
         check(0 <= self.adam_beta2 < 1, "adam_beta2", "in [0, 1)")
-        check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0")
         check(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "in (0, 1]")
-        check(self.seed >= 0, "seed", ">= 0")
 
 
 CONFIG_TYPES = (ModelArguments, LoraArguments, GSM8KDataArguments, GRPOArguments, DemoArguments)
@@ -229,6 +210,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="grpo",
+    writes_policy=True,
     module="fitrl.scripts.grpo",
     config_types=CONFIG_TYPES,
     output_dir="grpo",

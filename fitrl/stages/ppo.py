@@ -217,9 +217,8 @@ def reward_model(configs: Configs) -> RewardModel | None:
         config_of(configs, DemoArguments).demo_assets,
     )
     try:  # before the stages that write them, the policy's model or the adapter may not exist yet
-        base = separate_base(
-            args.reward_adapter, model, resolve_model_path(model, cache), cache, args.reward_adapter_shared
-        )
+        path, producer = resolve_model_path(model, cache), STAGE.producer_of("reward_adapter")
+        base = separate_base(args.reward_adapter, model, path, cache, args.reward_adapter_shared, STAGE.name, producer)
     except UsageError:
         return None
     return None if base is None else RewardModel(base, args.reward_dtype, args.reward_quantization)
@@ -250,6 +249,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="ppo",
+    writes_policy=True,
     card_notes=(
         "The value head PPO trained beside the policy is `value_head.safetensors` (a `Linear(hidden, 1)`'s "
         "`weight` and `bias`: `safetensors.torch.load_file`).",
