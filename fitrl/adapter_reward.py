@@ -129,6 +129,15 @@ def eos_batches(tokenizer: Any, texts: list[str], batch_size: int, device: torch
         yield tokenizer(batch, padding=True, padding_side="right", return_tensors="pt").to(device)
 
 
+@torch.no_grad()
+def score_texts(model: Any, tokenizer: Any, texts: list[str], batch_size: int, device: torch.device) -> torch.Tensor:
+    """The reward of each text from a reward model with its score head (the rm stage's output), as the rm
+    stage trains and evaluates it: EOS appended, right-padded, the head's output at the last token (B,)."""
+    return torch.cat(
+        [model(**enc).logits[:, 0].float().cpu() for enc in eos_batches(tokenizer, texts, batch_size, device)]
+    )
+
+
 def last_token(hidden: torch.Tensor, input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
     """(B, T, H) -> (B, H): each row's hidden state at its last token that is not padding, where
     transformers' sequence classifiers read their head (an EOS that is also the pad token is skipped)."""
@@ -191,6 +200,5 @@ class SeparateAdapterReward(TextReward):
     @torch.no_grad()
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive): the reward of each text, and whether it is above 0."""
-        batches = eos_batches(self.tokenizer, texts, self.batch_size, self.device)
-        rewards = torch.cat([self.model(**enc).logits[:, 0].float().cpu() for enc in batches])
+        rewards = score_texts(self.model, self.tokenizer, texts, self.batch_size, self.device)
         return rewards, rewards > 0

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
+from fitrl.launch import DEFAULT_LAUNCH, executable, run
 
 TOOLS = {  # name: (the arguments to python, what it does)
     "pipeline": (["-m", "fitrl.scripts.pipeline"], "every stage of a profile in one run directory"),
@@ -122,16 +122,17 @@ class StderrFilter:
 
 
 def run_filtered(command: list[str]) -> int:
-    """Run `command` with its stderr through a `StderrFilter`; the stage's own exit code."""
-    with status_file(command) as (env, status):
-        proc = subprocess.Popen(command, stderr=subprocess.PIPE, env=env)
-        passed = StderrFilter()
-        for chunk in iter(lambda: proc.stderr.read1(4096), b""):
-            failed = status.is_file() and status.read_text().strip() not in ("", "0")
-            sys.stderr.buffer.write(passed(chunk, failed))
-            sys.stderr.buffer.flush()
-        sys.stderr.buffer.write(passed(b"\n", False) if passed.held else b"")
-        return stage_exit_code(proc.wait(), status)
+    """Run `command` (`fitrl.launch.run`) with its stderr through a `StderrFilter`; the stage's own exit code."""
+    passed = StderrFilter()
+
+    def show(chunk: bytes, status: Path) -> None:
+        failed = status.is_file() and status.read_text().strip() not in ("", "0")
+        sys.stderr.buffer.write(passed(chunk, failed))
+        sys.stderr.buffer.flush()
+
+    code, _ = run(command, show, merge_stdout=False)
+    sys.stderr.buffer.write(passed(b"\n", False) if passed.held else b"")
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:

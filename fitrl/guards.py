@@ -354,6 +354,14 @@ class HackingGuard:
                 step,
             )
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so that a resumed run compares against the same first reading."""
+        return {"rewards": list(self.rewards), "scores": [list(s) for s in self.scores]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rewards = [float(r) for r in state["rewards"]]
+        self.scores = [(int(step), float(v)) for step, v in state["scores"]]
+
     def finish(self) -> None:
         if self.scores:
             path = " -> ".join(self.show.format(v) for _, v in self.scores)

@@ -109,3 +109,37 @@ def test_every_launch_shares_the_machines_cores_among_its_processes(
         assert launch.launch_env(command.split())["OMP_NUM_THREADS"] == str(threads), command
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert launch.launch_env("accelerate launch --num_processes 2 x.py".split())["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_stage_at_the_end_of_its_step_with_one_line_naming_the_checkpoint(
+    tmp_path: Path, demo_assets: Path
+) -> None:
+    """Ctrl-C reaches the `fitrl` command (the terminal's foreground group): the stage, in a session of
+    its own, gets SIGTERM from it, finishes the step, saves a checkpoint and says where; no traceback."""
+    import os
+    import signal
+    import tempfile
+    import time
+
+    out = tmp_path / "run"
+    args = ["ppo", "--config", CONFIGS / "demo" / "ppo.yaml", "--model_name_or_path", "demo://lm"]
+    args += ["--reward_adapter", "", "--demo_assets", demo_assets, "--output_dir", out, "--steps", "500"]
+    args += ["--batch_size", "8", "--forward_batch_size", "8", "--mini_batch_size", "8"]
+    watch = tmp_path / ".run.partial" / "metrics.jsonl"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(
+            [str(FITRL), *map(str, args)], stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and not (watch.is_file() and watch.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends its foreground group
+        proc.wait(timeout=600)
+        log.seek(0)
+        stderr = log.read()
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 143 and len(lines) == 1, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    step = int(lines[0].split("after step ")[1].split(";")[0])
+    assert f"saved {tmp_path / 'run.checkpoints' / f'step-{step}'}" in lines[0]

@@ -61,12 +61,18 @@ def test_two_steps_plus_resume_equals_four_straight(tmp_path: Path, demo_assets:
     a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(split / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):
+        assert set(ra) == set(rb), ra["step"]  # the judge reads at the same steps: not again at the resume
         for key, value in ra.items():
             if isinstance(value, float) and not key.startswith(("time/", "tokens_per", "memory/")):
                 assert rb[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (ra["step"], key)
     assert tensor_digest(load_file(straight / "adapter_model.safetensors")) == tensor_digest(
         load_file(split / "adapter_model.safetensors")
     )
+    # A run started afresh beside an earlier run's checkpoints says so, and how to continue that one.
+    again = _ppo(split, demo_assets, *SMALL, "--steps", "1", "--overwrite_output_dir", "true")
+    assert again.returncode == 0, again.stderr[-2000:]
+    step2 = tmp_path / "split.checkpoints" / "step-2"
+    assert f"note: {step2} is an earlier run's checkpoint; this run starts at step 0" in again.stdout
 
 
 @pytest.mark.slow

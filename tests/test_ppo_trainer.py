@@ -88,11 +88,26 @@ def trainer_for(out: Path, steps: int = 4, save_steps: int = 2) -> tuple[PPOTrai
         configs=(args,),
         checkpoint_prefix="step",
     )
+    trainer.guards["readings"] = Readings()
     return trainer, reward
+
+
+class Readings:
+    """A caller's guard with a state of its own (as the reward-hacking guard's first reading)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": list(self.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = list(state["seen"])
 
 
 def run(trainer: PPOTrainer) -> None:
     while trainer.state.step < trainer.args.steps:
+        trainer.guards["readings"].seen.append(trainer.state.step)
         trainer.record(trainer.step())
 
 
@@ -124,6 +139,7 @@ def test_a_run_resumed_from_a_checkpoint_is_the_run_that_never_stopped(tmp_path:
     resumed, _ = trainer_for(tmp_path / "resumed")
     resumed.load(checkpoint)
     assert resumed.state.step == resumed.start_step == 2
+    assert resumed.guards["readings"].seen == [0, 1]  # the caller's guard state came back with the rest
     assert comparable(resumed.state.metrics) == rows[:2]
     run(resumed)
 
@@ -133,6 +149,7 @@ def test_a_run_resumed_from_a_checkpoint_is_the_run_that_never_stopped(tmp_path:
     assert resumed.state.to_json()["kl_controller"] == whole.state.to_json()["kl_controller"]
     assert resumed.state.score_stats.state_dict() == whole.state.score_stats.state_dict()
     assert resumed.state.samples == whole.state.samples and set(whole.state.samples) == {"first", "last"}
+    assert resumed.guards["readings"].seen == whole.guards["readings"].seen == [0, 1, 2, 3]
     assert (tmp_path / "resumed" / "metrics.jsonl").read_text().count("\n") == 4  # replayed rows, then new ones
 
 

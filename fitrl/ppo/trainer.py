@@ -97,13 +97,15 @@ class Prompts:
 @dataclass
 class PPOState:
     """What a checkpoint holds besides the weights and the optimizer: the next step, the KL controller,
-    the running score statistics, the samples kept, and every metrics row so far."""
+    the running score statistics, the samples kept, every metrics row so far, and the state of the
+    caller's guards (`PPOTrainer.guards`)."""
 
     step: int
     kl_controller: core.AdaptiveKLController | core.FixedKLController
     score_stats: core.RunningMoments
     samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    guards: dict[str, Any] = field(default_factory=dict)  # the caller's guards' own state, by name
 
     @staticmethod
     def fresh(args: PPOArguments) -> PPOState:
@@ -120,6 +122,7 @@ class PPOState:
             "samples": self.samples,
             "score_stats": self.score_stats.state_dict(),
             "metrics": self.metrics,
+            "guards": self.guards,
         }
 
     def load_json(self, state: Mapping[str, Any]) -> None:
@@ -127,6 +130,7 @@ class PPOState:
         self.kl_controller.load_state_dict(state["kl_controller"])
         self.score_stats.load_state_dict(state["score_stats"])
         self.metrics = list(state["metrics"])
+        self.guards = dict(state.get("guards", {}))  # none in checkpoints of earlier versions
 
 
 @dataclass
@@ -177,6 +181,8 @@ class PPOTrainer:
         check_trainable(self.unwrapped, health)
         self.gradients = GradientGuard(health)
         self.step_peak = StepPeak()
+        # The caller's stateful guards (state_dict / load_state_dict), saved and restored with the state.
+        self.guards: dict[str, Any] = {}
         self.first_prompts: list[int] | None = None  # this rank's first prompts: the ranks must differ
         self.start_step = 0  # where this process began (a resumed run: the checkpoint's step)
 
@@ -202,6 +208,7 @@ class PPOTrainer:
 
     def save(self, path: Path) -> None:
         """Adapter, value head, optimizer and `state` to `path`, written aside and renamed into place."""
+        self.state.guards = {name: guard.state_dict() for name, guard in self.guards.items()}
         state = self.state.to_json()
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -225,6 +232,9 @@ class PPOTrainer:
         set_peft_model_state_dict(self.unwrapped.policy, adapter)
         self.unwrapped.value_head.load_state_dict(load_safetensors(path / VALUE_HEAD, path))
         self.state.load_json(json.loads((path / STATE_FILE).read_text()))
+        for name, guard in self.guards.items():
+            if name in self.state.guards:
+                guard.load_state_dict(self.state.guards[name])
         rows, self.state.metrics = self.state.metrics, []
         for row in rows:
             self.log_row(row)

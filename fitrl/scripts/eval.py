@@ -38,7 +38,6 @@ from fitrl.sentiment import (
     load_reward,
     prompt_texts,
 )
-from fitrl.stages import policy_stages
 from fitrl.stages.eval_sentiment import STAGE
 
 
@@ -106,7 +105,7 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     check_adapter_files(adapter_dir, "policy")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
-    producer = made_by if made_by in policy_stages() else STAGE.reads[1]
+    producer = made_by if made_by in STAGE.judges else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     reward_base = check_reward(
         reward_args,

@@ -41,7 +41,6 @@ from fitrl.process import entrypoint
 from fitrl.reward_funcs import reward_functions, trl_keywords
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
 from fitrl.rollout import complete_chats
-from fitrl.stages import policy_stages
 from fitrl.stages.eval_gsm8k import STAGE
 
 
@@ -74,7 +73,7 @@ def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inp
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
         made_by = load_run_info(adapter).get("stage")  # GRPO's policy, or PPO's on the same problems
-        producer = made_by if made_by in policy_stages() else STAGE.reads[1]
+        producer = made_by if made_by in STAGE.judges else STAGE.reads[1]
         check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     problems, skipped = load_problems(data_args, demo_args.demo_assets)
     # The adapter's directory holds the tokenizer (and chat template) the policy was trained with.

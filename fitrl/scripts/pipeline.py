@@ -28,8 +28,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.config import ArgumentParser, UsageError
-from fitrl.launch import DEFAULT_LAUNCH, executable, stage_exit_code, status_file
+from fitrl.launch import DEFAULT_LAUNCH, executable, run
 from fitrl.stages import NAMES, STAGES, Stage, get, inputs, launchers, profile_dir, profiles, stage_args
 
 # Settings that say where or how a stage runs, not what it computes: a change does not re-run it.
@@ -248,28 +246,26 @@ def print_plan(stage: Stage, configs: tuple[Any, ...]) -> bool:
     return False
 
 
-def run_logged(cmd: list[str], log: Path) -> int:
-    """Run `cmd` with its whole output in `log`; on a terminal, show its progress bar on one line."""
+def run_logged(cmd: list[str], log: Path) -> tuple[int, Any]:
+    """Run `cmd` (`fitrl.launch.run`) with its whole output in `log`; on a terminal, show its progress bar
+    on one line. Its exit code, and the signal that stopped it (Ctrl-C, SIGTERM), if one did."""
     log.parent.mkdir(parents=True, exist_ok=True)
     show = sys.stderr.isatty()
-    with status_file(cmd) as (env, status), log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    with log.open("wb") as sink:
+
+        def write(chunk: bytes, status: Path) -> None:
+            sink.write(chunk)
+            sink.flush()
+            if show:
+                bars = [b for b in re.split(rb"[\r\n]", chunk) if b"%|" in b]
+                if bars:
+                    sys.stderr.write("\r   " + bars[-1].decode(errors="replace")[-100:] + "\x1b[K")
+
         try:
-            for chunk in iter(lambda: proc.stdout.read1(4096), b""):
-                sink.write(chunk)
-                sink.flush()
-                if show:
-                    bars = [b for b in re.split(rb"[\r\n]", chunk) if b"%|" in b]
-                    if bars:
-                        sys.stderr.write("\r   " + bars[-1].decode(errors="replace")[-100:] + "\x1b[K")
-            code = proc.wait()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)  # the launcher and the processes it started
-            raise
+            return run(cmd, write, merge_stdout=True)
         finally:
             if show:
                 sys.stderr.write("\r\x1b[K")
-        return stage_exit_code(code, status)
 
 
 def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float]) -> None:
@@ -308,7 +304,13 @@ def run_stage(req: Request, index: int, stage: Stage, timings: dict[str, float])
         raise SystemExit(1)
     log = req.run_dir / "logs" / f"{stage.name}.log"
     started = time.perf_counter()
-    code = run_logged(executable(cmd), log)
+    code, stopped_by = run_logged(executable(cmd), log)
+    if stopped_by is not None:
+        said = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+        what = said[-1].removeprefix("error: ") if said else "nothing saved"
+        print(f"   {stage.name} stopped ({stopped_by.name}): {what}; run the pipeline again to go on (log: {log})",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(128 + stopped_by.value)
     if code != 0:
         tail = log.read_text(errors="replace").replace("\r", "\n").splitlines()
         tail = [line for line in tail if line.strip()][-LOG_TAIL:]
@@ -355,6 +357,11 @@ def main(argv: list[str] | None = None) -> None:
         except UsageError as e:  # a stage's config the stage itself would refuse: one line, exit 2
             print(f"error: {stage.name} ({req.configs}/{stage.name}.yaml): {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        except SystemExit:
+            if req.ran:  # what finished before the stage that stopped still gets its report
+                md, _ = report.write(req.run_dir, title=f"fitrl {req.profile} run")
+                print(f"== fitrl: stopped at {stage.name}; ran: {', '.join(req.ran)}; report: {md}", file=sys.stderr)
+            raise
     if req.dry_run:
         return
     md, page = report.write(req.run_dir, title=f"fitrl {req.profile} run")

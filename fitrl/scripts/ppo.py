@@ -20,6 +20,7 @@ outside the staged output, so that a stopped run keeps them.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from fitrl import signals
-from fitrl.checkpoints import resume_checkpoint
+from fitrl.checkpoints import checkpoint_root, latest_checkpoint, resume_checkpoint
 from fitrl.config import RunFailed, Terminated, UsageError, config_dict
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
@@ -115,6 +116,10 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     resume = resume_checkpoint(
         args.resume_from_checkpoint, args.output_dir, STAGE.checkpoint_prefix, "PPO", config_dict(*configs)
     )
+    earlier = latest_checkpoint(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
+    if resume is None and earlier is not None and os.environ.get("RANK", "0") == "0":
+        print(f"note: {earlier} is an earlier run's checkpoint; this run starts at step 0 (a checkpoint of the "
+              "same step replaces it); --resume_from_checkpoint latest continues that run instead")  # fmt: skip
     if sharding := sharded_launch():
         raise UsageError(
             f"PPO does not run under {sharding}: its policy, reference, value head and reward adapter share one "
@@ -210,6 +215,7 @@ def build(run: Run) -> None:
     if run.judge is not None:
         advice = "check what the reward model pays for, or raise init_kl_coef"
         run.hacking = HackingGuard(run.health, "the judge's mean verdict", args.guard_judge_drop, advice, share=False)
+        run.trainer.guards["reward_hacking"] = run.hacking  # a resumed run keeps its first reading
     if args.report_to != "none":  # trackers take scalars: lists become strings, empties are dropped
         flat = config_dict(*run.configs)
         hparams = {k: str(v) if isinstance(v, list) else v for k, v in flat.items() if v is not None}
@@ -245,10 +251,11 @@ def judge_reading(run: Run, step: int) -> float:
 
 
 def train_step(run: Run) -> dict[str, Any]:
-    """One step of the engine, with the reward-hacking guard's readings at the start and every few steps."""
+    """One step of the engine, with the reward-hacking guard's readings before the first step and every
+    few steps: at the same steps in a resumed run as in one that never stopped."""
     trainer, judged = run.trainer, None
     step = trainer.state.step
-    if run.hacking is not None and step == trainer.start_step:
+    if run.hacking is not None and (step == 0 or (step == trainer.start_step and not run.hacking.scores)):
         with run.health.timed():
             judged = judge_reading(run, step)
     out = trainer.step()

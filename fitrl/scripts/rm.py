@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from fitrl.adapter_reward import score_texts
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
 from fitrl.demo import DemoArguments
@@ -117,15 +118,9 @@ def build(run: Run) -> None:
 
 @torch.no_grad()
 def score(model: Any, tokenizer: Any, texts: list[str], batch_size: int) -> torch.Tensor:
-    """The reward of each text, scored as trl trains it: EOS appended, the head read at the last token."""
+    """The reward of each text, scored as trl trains it and as PPO's reward adapter scores (one function)."""
     model.eval()
-    device = next(p for p in model.parameters()).device
-    rewards = []
-    for i in range(0, len(texts), batch_size):
-        batch = [t if t.endswith(tokenizer.eos_token) else t + tokenizer.eos_token for t in texts[i : i + batch_size]]
-        enc = tokenizer(batch, padding=True, return_tensors="pt").to(device)
-        rewards.append(model(**enc).logits[:, 0].float().cpu())
-    return torch.cat(rewards)
+    return score_texts(model, tokenizer, texts, batch_size, next(p for p in model.parameters()).device)
 
 
 def evaluate(run: Run) -> dict[str, Any]:

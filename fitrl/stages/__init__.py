@@ -98,11 +98,6 @@ def architecture_source(stage: Stage, configs: tuple[Any, ...], config_file: Pat
     return name
 
 
-def policy_stages() -> tuple[str, ...]:
-    """The stages whose output is a policy adapter (`Stage.writes_policy`): what an evaluation judges."""
-    return tuple(s.name for s in STAGES if s.writes_policy)
-
-
 def inputs(stage: Stage, profile: Path) -> list[tuple[str, str]]:
     """(setting, stage) for each input `stage` takes from another stage's output in a run of `profile` (a
     folder of `<stage>.yaml`): where the profile has that stage (else the config names its own input),
@@ -135,7 +130,6 @@ __all__ = [
     "get",
     "architecture_source",
     "inputs",
-    "policy_stages",
     "profile_dir",
     "profiles",
     "stage_args",

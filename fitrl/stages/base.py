@@ -83,7 +83,7 @@ class Stage:
     # table cells, which the report sets side by side, a row per policy.
     side_by_side: Callable[[Path], dict[str, str]] | None = None
     writes_full_model: bool = False  # a whole model, the size of its base (the merge): the doctor counts its disk
-    writes_policy: bool = False  # a policy adapter, which the evaluations judge whichever stage trained it
+    judges: tuple[str, ...] = ()  # an evaluation: the stages whose policy adapters it takes (`reads`' first)
     # The model card's loading snippet (`fitrl.ending.model_card`): the class the base loads as, the
     # arguments it takes beyond the base, and what else the output holds.
     card_model_class: str = "AutoModelForCausalLM"

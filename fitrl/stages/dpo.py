@@ -110,7 +110,6 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="dpo",
-    writes_policy=True,
     module="fitrl.scripts.dpo",
     config_types=CONFIG_TYPES,
     output_dir="dpo",

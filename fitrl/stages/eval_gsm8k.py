@@ -75,6 +75,7 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="eval_gsm8k",
+    judges=("grpo", "ppo"),
     module="fitrl.scripts.eval_gsm8k",
     config_types=CONFIG_TYPES,
     output_dir="eval_gsm8k",

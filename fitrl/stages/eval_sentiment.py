@@ -102,6 +102,7 @@ def side_by_side(out: Path) -> dict[str, str]:
 
 STAGE = Stage(
     name="eval",
+    judges=("ppo", "dpo"),
     module="fitrl.scripts.eval",
     config_types=CONFIG_TYPES,
     output_dir="eval",

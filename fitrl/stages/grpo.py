@@ -210,7 +210,6 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="grpo",
-    writes_policy=True,
     module="fitrl.scripts.grpo",
     config_types=CONFIG_TYPES,
     output_dir="grpo",

@@ -249,7 +249,6 @@ def figures(out: Path) -> list[str]:
 
 STAGE = Stage(
     name="ppo",
-    writes_policy=True,
     card_notes=(
         "The value head PPO trained beside the policy is `value_head.safetensors` (a `Linear(hidden, 1)`'s "
         "`weight` and `bias`: `safetensors.torch.load_file`).",
