@@ -24,6 +24,17 @@ def is_chat(value: Any) -> bool:
     return isinstance(value, list)
 
 
+def check_chats(values: list[Any], column: str, prompt: bool) -> bool:
+    """Whether a column's `values` are chats; if so each row is checked (`check_chat`; an empty row is
+    left to the caller)."""
+    if not any(is_chat(v) for v in values):
+        return False
+    for row, value in enumerate(values):
+        if value is not None:
+            check_chat(value, column, row, prompt=prompt)
+    return True
+
+
 def check_chat(messages: Any, column: str, row: int, prompt: bool) -> None:
     """A one-line `UsageError` unless `messages` is a non-empty list of role/content messages (and, for a
     `prompt`, one that ends before the assistant's turn)."""

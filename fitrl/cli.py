@@ -117,6 +117,8 @@ class StderrFilter:
                     out.append(line + newline)
             elif not failed:
                 out.append(line + newline)
+            elif self.inside:  # a line passed in part (a progress bar) ends here: the next starts afresh
+                out.append(newline)
             self.inside = False
         return b"".join(out)
 

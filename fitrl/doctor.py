@@ -203,7 +203,7 @@ def check_model(f: Findings, name: str, demo_assets: str, hub: Callable[[], bool
 def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[[], bool], seen: set) -> None:
     """The first rows of each dataset the stage reads, with its own loader: columns, empty or bad rows
     (a dataset split an earlier stage read is not read again)."""
-    from fitrl import data, demo, gsm8k, preferences, sentiment
+    from fitrl import chat, data, demo, gsm8k, preferences, sentiment
     from fitrl.stages.base import config_of
 
     demo_assets = config_of(configs, demo.DemoArguments).demo_assets
@@ -224,9 +224,13 @@ def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[
                 rows = len(gsm8k.load_problems(limited, demo_assets)[0])
             elif isinstance(config, sentiment.PromptArguments):
                 rows = len(sentiment.read_prompts(config, demo_assets, ROWS_CHECKED)[0])
-            else:  # SFT: a text column
-                rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_assets,
-                                           ROWS_CHECKED))  # fmt: skip
+            else:  # SFT: a column of texts, or of chats (`messages`), as the stage reads it
+                values = data.load_column(source, config.dataset_split, config.text_column, demo_assets)
+                if chat.check_chats(values[:ROWS_CHECKED], config.text_column, prompt=False):
+                    rows = sum(v is not None for v in values[:ROWS_CHECKED])
+                else:
+                    rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_assets,
+                                               ROWS_CHECKED))  # fmt: skip
         except UsageError as e:
             f.error(f"{stage.name}: {e}")
         else:

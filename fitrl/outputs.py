@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -198,6 +199,22 @@ def _json_number(v: Any) -> Any:
     return v
 
 
+def write_json(path: str | Path, obj: Any) -> None:
+    """`obj` as indented JSON that every reader takes: a non-finite number (a spread of one value) is
+    written as null, never as the `NaN` most JSON readers refuse."""
+
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+
+    Path(path).write_text(json.dumps(finite(obj), indent=2, allow_nan=False) + "\n")
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """The rows of a JSON-lines file (`metrics.jsonl`, a demo dataset), blank lines skipped."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -209,8 +226,10 @@ def write_jsonl(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def markdown_cell(text: str) -> str:
-    """`text` safe inside a markdown table cell: pipes escaped, line breaks as spaces."""
-    return text.replace("|", "\\|").replace("\n", " ")
+    """`text` safe inside a markdown table cell: pipes escaped, line breaks (`\r` and `\n`, and the other
+    control characters a sampled response can hold) as spaces."""
+    text = "".join(" " if unicodedata.category(c) == "Cc" else c for c in text)
+    return text.replace("|", "\\|")
 
 
 def plot_curves(

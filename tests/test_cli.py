@@ -64,6 +64,12 @@ def test_the_stderr_filter_keeps_bars_live_and_says_an_error_line_once() -> None
     # the second rank's same line, then accelerate's traceback once the stage has failed
     assert passed(b"error: bad value\nTraceback (most recent call last):\n  File", failed=True) == b""
     assert passed(b' "x.py"\nerror: another\n', failed=True) == b"error: another\n"
+    # a bar passed mid-line, then the stage fails: its line is ended before the error line starts
+    bar = StderrFilter()
+    assert bar(b"PPO:   1%| 2/500", failed=False) == b"PPO:   1%| 2/500"
+    assert (
+        bar(b"\nerror: stopped by SIGTERM after step 2\n", failed=True) == b"\nerror: stopped by SIGTERM after step 2\n"
+    )
 
 
 def test_ppo_under_a_sharding_config_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -123,3 +123,20 @@ def test_pipeline_check_runs_the_doctor_for_its_profile(tmp_path: Path, demo_ass
     assert result.stdout.splitlines()[-1] == "ready"
     assert "ok    ppo: memory plan" in result.stdout
     assert not (project / "outputs").exists()  # it ran nothing and wrote nothing
+
+
+def test_sft_on_a_column_of_chats_is_ready(tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture) -> None:
+    """SFT takes chats (`messages`) as well as texts: the doctor reads them as the stage does, and still
+    names a row that is not a chat."""
+    import json
+
+    chats = tmp_path / "chats.jsonl"
+    turn = [{"role": "user", "content": "Any good?"}, {"role": "assistant", "content": "The acting was wonderful."}]
+    chats.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(4)))
+    project = demo_project(tmp_path, demo_assets, "mine", {"sft": {"dataset": str(chats), "text_column": "messages"}})
+    assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 0
+    lines = _lines(capsys)
+    assert f"ok    sft data {chats}: the first 4 rows read as the stage reads them" in lines, lines
+    chats.write_text(chats.read_text() + json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    assert _doctor("--profile", project / "configs" / "mine", "--run_dir", tmp_path / "run") == 2
+    assert any(line.startswith("error: sft: row 5 of column 'messages'") for line in _lines(capsys))

@@ -510,8 +510,13 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, 
 
     result = run_script(*["grpo.py", *args], "--max_steps", str(step + 1), "--resume_from_checkpoint", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "reward" in r] == list(range(1, step + 2))
-    assert json.loads((out / "run_info.json").read_text())["resumed_from"].endswith(f"checkpoint-{step}")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward" in r] == list(range(1, step + 2))
+    # the held-out guard read at the start only, as an uninterrupted run would: not again at the resume
+    assert [r["step"] for r in rows if "heldout/accuracy" in r] == [1]
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["resumed_from"].endswith(f"checkpoint-{step}")
+    assert info["health"]["reward_hacking"]["saw"].endswith("at steps [0]")
 
 
 @pytest.fixture
@@ -628,6 +633,28 @@ def test_a_reward_for_a_repeated_word_trips_the_hacking_and_repetition_guards(
     assert len(readings) == 3 and readings[-1] <= readings[0] - 0.1  # steps 0, 10, 20
     assert "rewards/repeat_word/mean" in rows[0]
     assert "guard 'reward_hacking' at step" in result.stderr  # warned once, the run went on
+
+
+@pytest.mark.slow
+def test_a_reward_that_scores_every_completion_alike_trips_the_learning_signal_guard(
+    tmp_path: Path, demo_assets: Path
+) -> None:
+    """Groups whose completions all score the same give GRPO no advantage to learn from (trl logs their
+    share as frac_reward_zero_std; the clean demo run's peak is 0.75, its mean 0.37): a constant reward
+    makes it 1 at every step, and the guard names it after 5 logged steps."""
+    (tmp_path / "flat.py").write_text("def flat(completions, **kw): return [1.0] * len(completions)\n")
+    out = tmp_path / "run"
+    result = run_script(
+        "grpo.py",
+        *["--config", CONFIGS / "demo" / "grpo.yaml", "--demo_assets", demo_assets, "--output_dir", out],
+        *["--reward_funcs", f"{tmp_path / 'flat.py'}:flat", "--max_steps", "6", "--guard_heldout_every", "0"],
+        *["--num_samples_to_show", "0", "--per_device_train_batch_size", "16", "--num_generations", "4"],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    health = json.loads((out / "run_info.json").read_text())["health"]
+    assert health["learning_signal"]["passed"] is False and health["learning_signal"]["step"] == 5, health
+    assert "the completions of most questions all score the same" in health["learning_signal"]["saw"]
+    assert health["reward_hacking"] == {"passed": None, "saw": "not run: guard_heldout_every is 0"}
 
 
 @pytest.mark.slow

@@ -144,3 +144,27 @@ def test_a_model_card_loads_the_base_as_its_stage_record_says(
     card = model_card(end, tmp_path)
     assert f"base = {loads}\n" in card, card
     assert (note in card) if note else "value_head" not in card
+
+
+def test_a_sample_with_control_characters_stays_in_its_table_cell() -> None:
+    """A sampled response may hold `\\r`, a tab, a NUL or an escape: the samples table (and the report
+    that embeds it) keeps one row per sample and one cell per column."""
+    from fitrl.ending import samples_markdown
+
+    response = "fine\rthen\x00a | b\x1b[2Kend\n"
+    table = samples_markdown("PPO samples", {"first step": [{"query": "q", "response": response, "reward": 1.0}]})
+    rows = [line for line in table.splitlines() if line.startswith("| q |")]
+    assert rows == ["| q | fine then a \\| b [2Kend  | 1.000 |"], table
+
+
+def test_an_evaluation_of_one_prompt_writes_json_every_reader_takes(tmp_path: Path) -> None:
+    """The spread of one value is NaN, which Python's json writes and most readers refuse: null instead."""
+    from fitrl.outputs import write_json
+
+    write_json(tmp_path / "eval.json", {"reward_std": float("nan"), "rows": [{"kl": float("inf"), "n": 1}], "x": 0.5})
+    assert json.loads((tmp_path / "eval.json").read_text()) == {
+        "reward_std": None,
+        "rows": [{"kl": None, "n": 1}],
+        "x": 0.5,
+    }
+    assert "NaN" not in (tmp_path / "eval.json").read_text()

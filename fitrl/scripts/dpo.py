@@ -21,7 +21,6 @@ then answers held-out prompts with the policy and its reference, as PPO's evalua
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +40,7 @@ from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
 from fitrl.memory import memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
-from fitrl.outputs import staged_output_dir
+from fitrl.outputs import staged_output_dir, write_json
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
 from fitrl.process import entrypoint
@@ -164,7 +163,7 @@ def finish(run: Run) -> None:
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
-        (run.out / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(run.out / EVAL_FILE, report)
 
 
 @entrypoint

@@ -17,7 +17,6 @@ side-by-side samples) and `reward_hist.png`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -25,7 +24,7 @@ import torch
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
+from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir, write_json
 from fitrl.process import entrypoint
 from fitrl.rollout import decode, response_logprobs, sample_responses
 from fitrl.sentiment import (
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             policy, tokenizer, queries, columns, prompt_args, stop_at_eos, args, reward, judge, device
         )
         report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
-        (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_json(out / "eval.json", report)
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
         plot_histograms(

@@ -36,7 +36,7 @@ from fitrl.gsm8k import (
     load_problems,
 )
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, staged_output_dir
+from fitrl.outputs import check_output_dir, staged_output_dir, write_json
 from fitrl.process import entrypoint
 from fitrl.reward_funcs import reward_functions, trl_keywords
 from fitrl.rewards import extract_answer, is_correct, is_strict_format
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             **scores,
             "without_adapter": base_scores,
         }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(out / "summary.json", summary)
         save_run_config(out, model_args, data_args, args, demo_args)
     print_summary(summary, inputs.skipped, args.output_dir, data_args.max_prompt_length)
 

@@ -29,7 +29,9 @@ Trainer checkpoints go to `<output_dir>.checkpoints/`, outside the staged output
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fitrl.answer_format import ensure_chat_template, render_prompt
@@ -276,6 +278,38 @@ def heldout_problems(run: Run) -> Any:
     return heldout_set(run.health, off, data_args.dataset, load, fix)
 
 
+HELDOUT_STATE = "heldout_guard.json"  # in each checkpoint: the reward-hacking guard's readings so far
+
+
+def heldout_batch(args: GRPOArguments, world: int) -> int:
+    """Held-out problems per generate call: no more than this process's generation batch in training,
+    which the memory plan holds (and at most 32)."""
+    per_step = args.steps_per_generation or args.gradient_accumulation_steps
+    size = (
+        args.generation_batch_size // world
+        if args.generation_batch_size
+        else args.per_device_train_batch_size * per_step
+    )
+    return max(1, min(32, size))
+
+
+def heldout_accuracy(run: Run, model: Any, batch_size: int) -> float:
+    """The policy's greedy accuracy on the held-out problems."""
+    prompts, golds = run.heldout["prompt"], run.heldout["gold"]
+    completions = complete_chats(model, run.tokenizer, prompts, run.args.max_completion_length, batch_size=batch_size)
+    return sum(is_correct(c[0], g) for c, g in zip(completions, golds)) / len(completions)
+
+
+def restore_heldout(guard: HackingGuard, resume: str | None) -> bool:
+    """The guard's readings from the checkpoint a run resumes (a resumed run reads on the uninterrupted
+    run's schedule, against the same first reading); False where there are none."""
+    saved = Path(resume) / HELDOUT_STATE if resume else None
+    if saved is None or not saved.is_file():
+        return False
+    guard.load_state_dict(json.loads(saved.read_text()))
+    return True
+
+
 def heldout_callback(run: Run) -> Any:
     """The reward-hacking guard on trl's loop: held-out accuracy (greedy) at the start and every
     `guard_heldout_every` steps, logged as `heldout/accuracy`, against the logged training reward."""
@@ -286,32 +320,24 @@ def heldout_callback(run: Run) -> Any:
         run.health, "held-out accuracy", args.guard_heldout_drop, "check what the rewards pay for, or set beta > 0"
     )
 
-    # batches no larger than this process's generation batch in training, which the memory plan holds
-    per_step = args.steps_per_generation or args.gradient_accumulation_steps
-    world = run.training_args.world_size
-    size = (
-        args.generation_batch_size // world
-        if args.generation_batch_size
-        else args.per_device_train_batch_size * per_step
-    )
-    size = max(1, min(32, size))
-
-    def accuracy(model: Any) -> float:
-        completions = complete_chats(
-            model, run.tokenizer, run.heldout["prompt"], args.max_completion_length, batch_size=size
-        )
-        return sum(is_correct(c[0], g) for c, g in zip(completions, run.heldout["gold"])) / len(completions)
+    size = heldout_batch(args, run.training_args.world_size)
 
     class _Heldout(TrainerCallback):
         pending: float | None = None  # measured at a step's end, logged with that step's row
 
         def measure(self, model: Any, step: int) -> None:
             with run.health.timed():
-                self.pending = accuracy(model)
+                self.pending = heldout_accuracy(run, model, size)
                 guard.score(step, self.pending)
 
         def on_train_begin(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            self.measure(model, state.global_step)
+            if not restore_heldout(guard, run.resume):
+                self.measure(model, state.global_step)
+
+        def on_save(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.is_world_process_zero:  # before the checkpoint's last file (`checkpoint_extras`)
+                path = Path(args_.output_dir) / f"checkpoint-{state.global_step}" / HELDOUT_STATE
+                path.write_text(json.dumps(guard.state_dict()))
 
         def on_step_end(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
             if state.global_step % args.guard_heldout_every == 0:

@@ -20,7 +20,6 @@ accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yam
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +42,7 @@ from fitrl.modeling import (
     lora_config,
     unloaded_bitsandbytes_hidden,
 )
-from fitrl.outputs import plot_histograms, staged_output_dir
+from fitrl.outputs import plot_histograms, staged_output_dir, write_json
 from fitrl.planner import planned_peak_mb
 from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
 from fitrl.process import entrypoint
@@ -180,7 +179,7 @@ def finish(run: Run) -> None:
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
-        (run.out / EVAL_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(run.out / EVAL_FILE, report)
         plot_histograms(
             {
                 "chosen": [p["chosen"] for p in report["pairs"]],

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fitrl.chat import check_chat, is_chat, use_chat_template
+from fitrl.chat import check_chats, use_chat_template
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import config_dict
 from fitrl.data import load_dataset_any, require_columns, text_rows
@@ -87,12 +87,8 @@ def examples(args: SFTArguments, demo_assets: str) -> tuple[Any, bool]:
     (each row checked) that trl renders with the chat template."""
     ds = load_dataset_any(args.dataset, args.dataset_split, demo_assets)
     require_columns(ds, [args.text_column], args.dataset)
-    values = ds[args.text_column]
-    if not any(is_chat(v) for v in values):
+    if not check_chats(ds[args.text_column], args.text_column, prompt=False):
         return text_rows(ds, args.dataset, args.text_column, args.max_samples), False
-    for row, value in enumerate(values):
-        if value is not None:
-            check_chat(value, args.text_column, row, prompt=False)
     ds = ds.select_columns([args.text_column]).filter(lambda r: r[args.text_column] is not None)
     ds = ds.rename_column(args.text_column, "messages") if args.text_column != "messages" else ds
     return ds.select(range(min(args.max_samples or len(ds), len(ds)))), True

@@ -104,6 +104,11 @@ class GRPOArguments(TrainerSettings):
     guard_repetition_max: float = help_field(
         0.3, "Guard: the completions' repeated 3-gram share (seq-rep-3) above this for 5 logged steps (1: off)."
     )
+    guard_zero_std_max: float = help_field(
+        0.9,
+        "Guard (learning signal): the share of questions whose completions all score the same (trl's "
+        "frac_reward_zero_std: GRPO learns nothing from them) above this for 5 logged steps (1: off).",
+    )
 
     def validate(self) -> None:
         super().validate()
@@ -111,6 +116,7 @@ class GRPOArguments(TrainerSettings):
         check(0 <= self.guard_entropy_floor < 1, "guard_entropy_floor", "in [0, 1)")
         check(0 < self.guard_truncated_max <= 1, "guard_truncated_max", "in (0, 1]")
         check(0 < self.guard_repetition_max <= 1, "guard_repetition_max", "in (0, 1]")
+        check(0 < self.guard_zero_std_max <= 1, "guard_zero_std_max", "in (0, 1]")
         check(0 <= self.guard_length_floor < 1, "guard_length_floor", "in [0, 1)")
         check(self.guard_heldout_every >= 0, "guard_heldout_every", ">= 0 (0: off)")
         check(self.guard_heldout_problems >= 1, "guard_heldout_problems", ">= 1")
@@ -177,6 +183,9 @@ def monitors(args: GRPOArguments) -> list[Limit]:
               "completions collapse toward nothing: a reward that pays for ending early?", steps=5),
         Limit("repetition", REPETITION_KEY, "above", args.guard_repetition_max,
               "the completions loop on a phrase (a reward that pays for length or a repeated word?)", steps=5),
+        Limit("learning_signal", "frac_reward_zero_std", "above", args.guard_zero_std_max,
+              "the completions of most questions all score the same, so GRPO learns nothing from them: rewards "
+              "too hard or too easy for the model, or too few num_generations", steps=5),
     ]  # fmt: skip
 
 
