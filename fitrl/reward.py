@@ -46,9 +46,6 @@ class TextReward:
         """(scores, called positive) of each text, on the CPU."""
         raise NotImplementedError
 
-    def __call__(self, texts: list[str]) -> torch.Tensor:
-        return self.classify(texts)[0]
-
     def score(
         self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
     ) -> tuple[torch.Tensor, torch.Tensor]:

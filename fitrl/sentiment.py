@@ -251,10 +251,12 @@ class SentimentReward(TextReward):
         return torch.cat(scores).cpu(), torch.cat(positive).cpu()
 
 
-class FunctionReward(TextReward):
+class FunctionReward:
     """Scores responses with a Python function (`reward_function`) called as trl calls one:
     `fn(prompts=..., completions=..., **columns)`, each output checked (`fitrl.reward_funcs`). It reads the
-    text itself: no tokenizer between it and the policy's text."""
+    text itself (no tokenizer between it and the policy's text) and holds no tensors."""
+
+    tokenizer = None
 
     def __init__(self, args: RewardArguments) -> None:
         self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
@@ -269,6 +271,9 @@ class FunctionReward(TextReward):
         values = self.function(list(responses), **trl_keywords(list(queries), list(ids)), **data)
         scores = torch.tensor([0.0 if v is None else float(v) for v in values])
         return scores, scores > 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
 
 
 def load_reward(
