@@ -179,7 +179,14 @@ def load_texts(
     source: str, split: str, text_column: str, demo_assets: str, max_samples: int | None = None, min_chars: int = 1
 ) -> list[str]:
     """The texts of `text_column` with at least `min_chars` characters, the first `max_samples` of them."""
-    texts = [v for v in load_column(source, split, text_column, demo_assets) if _is_text(v, min_chars)]
+    return texts_in(load_column(source, split, text_column, demo_assets), source, text_column, max_samples, min_chars)
+
+
+def texts_in(
+    values: list[Any], source: str, text_column: str, max_samples: int | None = None, min_chars: int = 1
+) -> list[str]:
+    """The texts among a column's `values` (`load_texts`, for a column already read)."""
+    texts = [v for v in values if _is_text(v, min_chars)]
     if not texts:
         raise _no_text(source, min_chars, text_column)
     return texts[:max_samples]

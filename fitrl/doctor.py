@@ -228,9 +228,8 @@ def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[
                 values = data.load_column(source, config.dataset_split, config.text_column, demo_assets)
                 if chat.check_chats(values[:ROWS_CHECKED], config.text_column, prompt=False):
                     rows = sum(v is not None for v in values[:ROWS_CHECKED])
-                else:
-                    rows = len(data.load_texts(source, config.dataset_split, config.text_column, demo_assets,
-                                               ROWS_CHECKED))  # fmt: skip
+                else:  # the column read once, whichever it holds
+                    rows = len(data.texts_in(values, source, config.text_column, ROWS_CHECKED))
         except UsageError as e:
             f.error(f"{stage.name}: {e}")
         else:
