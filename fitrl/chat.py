@@ -1,7 +1,7 @@
 """Chat data: a column of conversations (lists of `{"role", "content"}` messages, trl's `messages`) as
 PPO prompts and SFT examples, rendered with the tokenizer's chat template or one the user gives.
 
-A tokenizer without a template (a base model's) gets the plain one of `fitrl.answer_format`, and the
+A tokenizer without a template (a base model's) gets the plain one of `fitrl.tasks.answer_format`, and the
 stage says so once.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import ensure_chat_template
 from fitrl.config import UsageError, first_line
+from fitrl.tasks.answer_format import ensure_chat_template
 
 CHAT_TEMPLATE_HELP = (
     "A Jinja chat template (a .jinja file, or the template itself) for chat rows instead of the tokenizer's; "

@@ -203,8 +203,9 @@ def check_model(f: Findings, name: str, demo_assets: str, hub: Callable[[], bool
 def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[[], bool], seen: set) -> None:
     """The first rows of each dataset the stage reads, with its own loader: columns, empty or bad rows
     (a dataset split an earlier stage read is not read again)."""
-    from fitrl import chat, data, demo, gsm8k, preferences, sentiment
+    from fitrl import chat, data, demo
     from fitrl.stages.base import config_of
+    from fitrl.tasks import gsm8k, preferences, sentiment
 
     demo_assets = config_of(configs, demo.DemoArguments).demo_assets
     for config in configs:

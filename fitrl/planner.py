@@ -129,7 +129,7 @@ def _static_bytes(config_json: str, w: Workload) -> tuple[tuple[str, int], ...]:
 
 
 def reward_model_bytes(spec: RewardModel | None, demo_assets: str | None = None) -> int:
-    """Bytes of the classifier PPO loads beside the policy, as `SentimentReward` loads it: every tensor in
+    """Bytes of the classifier PPO loads beside the policy, as `ClassifierReward` loads it: every tensor in
     its dtype, but the linear layers outside its head in 8-bit (a byte a weight, a float scale a row) or
     4-bit NF4 (half a byte, an 8-bit scale per 64 weights and a float per 256 scales)."""
     if spec is None:

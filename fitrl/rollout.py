@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fitrl.answer_format import render_prompt
 from fitrl.ppo.core import entropy_from_logits, logprobs_from_logits
+from fitrl.tasks.answer_format import render_prompt
 
 
 @dataclass

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward
 from fitrl.config import load_run_info
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer
 from fitrl.outputs import read_jsonl
-from fitrl.sentiment import RewardArguments
+from fitrl.reward.adapter import AdapterReward, SeparateAdapterReward
+from fitrl.reward.settings import RewardArguments
 
 from conftest import CONFIGS, run_script
 
@@ -163,8 +163,8 @@ def test_a_reward_adapter_of_another_stage_is_refused_without_offering_a_force_t
     """PPO and its evaluation have no `--force`: refusing an adapter that no rm run made names the fix."""
     import shutil
 
-    from fitrl.adapter_reward import separate_base
     from fitrl.config import UsageError, save_run_info
+    from fitrl.reward.adapter import separate_base
 
     made_by_dpo = tmp_path / "dpo"
     shutil.copytree(reward_model, made_by_dpo)

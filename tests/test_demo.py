@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fitrl import demo
-from fitrl.answer_format import FORMAT_TAGS, format_solution
 from fitrl.demo.corpus import opinion_polarity
 from fitrl.outputs import read_jsonl
-from fitrl.sentiment import corpus_vocabulary, corpus_word_share
+from fitrl.tasks.answer_format import FORMAT_TAGS, format_solution
+from fitrl.tasks.sentiment import corpus_vocabulary, corpus_word_share
 
 
 def test_assets_are_shipped_and_complete(demo_assets: Path) -> None:
@@ -203,7 +203,7 @@ def test_corpus_word_share_counts_words_only() -> None:
 
 def test_a_classifier_judge_gives_verdicts_and_refuses_an_unknown_label(demo_assets: Path) -> None:
     from fitrl.config import UsageError
-    from fitrl.sentiment import SentimentJudge
+    from fitrl.tasks.sentiment import SentimentJudge
 
     judge = SentimentJudge("demo://classifier", "POSITIVE", str(demo_assets), torch.device("cpu"))
     texts = ["The acting was superb. I loved the ending. Highly recommended.", "The plot was awful. Avoid it."]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fitrl.rewards import is_correct
+from fitrl.tasks.grading import is_correct
 
 REASONING = "Janet's ducks lay 16 eggs. She eats 3 and bakes with 4, so 16 - 3 - 4 = 9 are left.\n9 * 2 = 18."
 

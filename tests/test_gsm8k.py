@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fitrl.answer_format import ensure_chat_template, format_solution, prompt_messages, render_prompt
 from fitrl.config import UsageError
 from fitrl.distributed import tensor_digest
-from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.outputs import read_jsonl
-from fitrl.rewards import is_correct, is_strict_format
+from fitrl.tasks.answer_format import ensure_chat_template, format_solution, prompt_messages, render_prompt
+from fitrl.tasks.grading import is_correct, is_strict_format
+from fitrl.tasks.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 
 from conftest import (
     CONFIGS,
@@ -431,7 +431,7 @@ def test_grpo_with_the_same_seed_writes_the_same_adapter(grpo_smoke: Path, demo_
 def test_fewshot_examples_are_solved_train_problems_before_the_question(demo_assets: Path) -> None:
     from transformers import AutoTokenizer
 
-    from fitrl.gsm8k import fewshot_examples
+    from fitrl.tasks.gsm8k import fewshot_examples
 
     args = GSM8KDataArguments(dataset="demo://arithmetic", dataset_split="test")
     examples = fewshot_examples(args, 2, seed=5, demo_assets=str(demo_assets))
@@ -451,7 +451,7 @@ def test_fewshot_examples_are_solved_train_problems_before_the_question(demo_ass
 
 
 def test_harness_extractions_read_as_lm_evaluation_harness_does() -> None:
-    from fitrl.gsm8k import grade, harness_answers
+    from fitrl.tasks.gsm8k import grade, harness_answers
 
     assert harness_answers("so she pays 5 + 13 = 18.\n#### 18") == ("18", "18")
     assert harness_answers("<answer>\n$1,000.\n</answer>") == (None, "$1,000.")
@@ -542,7 +542,7 @@ def _strict_run_with_template(tmp_path: Path, demo_assets: Path, old: str, new: 
 
     from transformers import AutoTokenizer
 
-    from fitrl.answer_format import PLAIN_CHAT_TEMPLATE
+    from fitrl.tasks.answer_format import PLAIN_CHAT_TEMPLATE
 
     model = tmp_path / "chat"
     shutil.copytree(demo_assets / "reasoner", model)

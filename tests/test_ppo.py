@@ -428,7 +428,7 @@ def test_ppo_runs_on_the_arithmetic_problems_graded_against_each_problems_own_an
     """The engine is the sentiment stage's and knows no task: the arithmetic config hands it the questions
     as chats and GRPO's accuracy function, which gets each problem's `answer` column beside it. Every
     kept sample's reward is the accuracy of its own answer against its own problem's gold."""
-    from fitrl.rewards import ACCURACY_REWARD, extract_gold, is_correct
+    from fitrl.tasks.grading import ACCURACY_REWARD, extract_gold, is_correct
 
     out = tmp_path / "ppo"
     result = run_script(

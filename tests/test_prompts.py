@@ -1,4 +1,4 @@
-"""PPO's prompts (`fitrl.sentiment.build_queries`): whole texts, chats in a chat template, the IMDB
+"""PPO's prompts (`fitrl.tasks.sentiment.build_queries`): whole texts, chats in a chat template, the IMDB
 prefix shaping, a real length limit, and every row not used counted."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fitrl.config import UsageError
-from fitrl.sentiment import PromptArguments, build_queries
+from fitrl.tasks.sentiment import PromptArguments, build_queries
 
 CUE = "Answer:\n"  # the end of the plain template's prompt: the assistant's cue
 

@@ -1,4 +1,4 @@
-"""Reward functions by name (`fitrl.reward_funcs`): the registry, your own module or file, and the
+"""Reward functions by name (`fitrl.reward.functions`): the registry, your own module or file, and the
 check on what each returns. GRPO running a user's reward file end to end is in tests/test_gsm8k.py."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fitrl.config import RunFailed, UsageError
-from fitrl.reward_funcs import Checked, format_only, resolve, reward_functions
-from fitrl.rewards import accuracy_reward
+from fitrl.reward.functions import Checked, format_only, resolve, reward_functions
+from fitrl.tasks.grading import accuracy_reward
 
 USER_REWARDS = """
 def brevity(completions, completion_ids, **kwargs):
@@ -84,7 +84,7 @@ def test_a_function_that_cannot_be_called_as_trl_calls_it_is_one_line_naming_its
 ) -> None:
     """trl calls a reward with prompts, completions, completion_ids (and its hooks) and the data's columns
     as keywords: a required parameter that is none of those fails before anything loads."""
-    from fitrl.reward_funcs import check_call
+    from fitrl.reward.functions import check_call
 
     def needs_solution(completions, solution):  # noqa: ANN001, ANN202
         return [0.0] * len(completions)
@@ -101,7 +101,8 @@ def test_a_function_that_cannot_be_called_as_trl_calls_it_is_one_line_naming_its
 def test_ppo_calls_a_reward_function_as_grpo_does(tmp_path: Path) -> None:
     """The documented GRPO reward works unchanged in PPO: the responses as completions, the queries as
     prompts, each response's token ids, and the prompts' `reward_columns`."""
-    from fitrl.sentiment import FunctionReward, RewardArguments
+    from fitrl.reward.functions import FunctionReward
+    from fitrl.reward.settings import RewardArguments
 
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     reward = FunctionReward(RewardArguments(reward_function=f"{tmp_path / 'my_rewards.py'}:brevity"))

@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 
-from fitrl.rewards import (
+from fitrl.tasks.grading import (
     ACCURACY_REWARD,
     SOFT_FORMAT_REWARD,
     STRICT_FORMAT_REWARD,
@@ -125,7 +125,7 @@ def test_extract_gold_and_answer() -> None:
 
 
 def test_metric_accuracy_pass_at_k_and_format() -> None:
-    from fitrl.gsm8k import load_accuracy_metric
+    from fitrl.tasks.gsm8k import load_accuracy_metric
 
     metric = load_accuracy_metric()
     good, wrong, sloppy = fmt("...", "18"), fmt("...", "17"), "<answer>18</answer>"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fitrl.answer_format import FORMAT_TAGS, ensure_chat_template, format_solution, prompt_messages, render_prompt
+from fitrl.tasks.answer_format import FORMAT_TAGS, ensure_chat_template, format_solution, prompt_messages, render_prompt
 
 # The LM must write sentences of the corpus's kind before SFT and PPO start (perplexity ~3.4 on the
 # held-out reviews; 40 steps of a 4x smaller model left it at ~107 and word salad): ~6 passes over

@@ -37,7 +37,7 @@ from fitrl.memory import StepPeak, gpu_peak_mb, optimizer_state_tensors
 from fitrl.outputs import MetricsLog
 from fitrl.ppo import core, metrics
 from fitrl.ppo.step import Experience, PolicyAndValue, UpdateStats, make_experience, ppo_update
-from fitrl.reward import Reward
+from fitrl.reward.base import Reward
 from fitrl.rollout import Rollout, decode, generation_batch, sample_responses
 from fitrl.stages.ppo import PPOArguments
 

@@ -42,9 +42,9 @@ from fitrl.memory import memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
 from fitrl.outputs import staged_output_dir, write_json
 from fitrl.planner import planned_peak_mb
-from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
 from fitrl.process import entrypoint
 from fitrl.stages.dpo import EVAL_FILE, STAGE, DPOArguments
+from fitrl.tasks.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
 
 
 @dataclass

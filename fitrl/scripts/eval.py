@@ -26,18 +26,17 @@ from fitrl.config import load_run_info, save_run_config
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir, write_json
 from fitrl.process import entrypoint
+from fitrl.reward.factory import check_reward, load_reward
 from fitrl.rollout import decode, response_logprobs, sample_responses
-from fitrl.sentiment import (
+from fitrl.stages.eval_sentiment import STAGE
+from fitrl.tasks.sentiment import (
     SentimentJudge,
     build_queries,
     check_judge,
-    check_reward,
     corpus_vocabulary,
     corpus_word_share,
-    load_reward,
     prompt_texts,
 )
-from fitrl.stages.eval_sentiment import STAGE
 
 
 def summary(scores: torch.Tensor) -> dict[str, float]:

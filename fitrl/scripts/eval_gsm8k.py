@@ -23,11 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import ensure_chat_template
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import load_run_info, save_run_config
 from fitrl.data import split_name
-from fitrl.gsm8k import (
+from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
+from fitrl.outputs import check_output_dir, staged_output_dir, write_json
+from fitrl.process import entrypoint
+from fitrl.reward.functions import reward_functions, trl_keywords
+from fitrl.rollout import complete_chats
+from fitrl.stages.eval_gsm8k import STAGE
+from fitrl.tasks.answer_format import ensure_chat_template
+from fitrl.tasks.grading import extract_answer, is_correct, is_strict_format
+from fitrl.tasks.gsm8k import (
     add_prompts,
     failure_kind,
     fewshot_examples,
@@ -35,13 +42,6 @@ from fitrl.gsm8k import (
     load_accuracy_metric,
     load_problems,
 )
-from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, staged_output_dir, write_json
-from fitrl.process import entrypoint
-from fitrl.reward_funcs import reward_functions, trl_keywords
-from fitrl.rewards import extract_answer, is_correct, is_strict_format
-from fitrl.rollout import complete_chats
-from fitrl.stages.eval_gsm8k import STAGE
 
 
 def check_adapter(adapter: str | None) -> Path | None:
@@ -62,7 +62,7 @@ class Inputs:
     dataset: Any  # problems with their chat prompts
     skipped: list[dict[str, Any]]
     n_too_long: int
-    reward_funcs: list[Any]  # `fitrl.reward_funcs.Checked`, as GRPO calls them
+    reward_funcs: list[Any]  # `fitrl.reward.functions.Checked`, as GRPO calls them
 
 
 def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inputs:

@@ -2,8 +2,8 @@
 
 The recipe that took Llama-3.2-1B-Instruct from about 19% to about 40% GSM8K accuracy in one epoch,
 set up to fit a 16 GB card. For each question the policy samples `num_generations` completions; the
-rewards score them (by default GSM8K's three, `fitrl.rewards`: strict format 0.5, soft format 0.5,
-accuracy 2.0; `--reward_funcs` takes registry names or your own `module:function`, `fitrl.reward_funcs`);
+rewards score them (by default GSM8K's three, `fitrl.tasks.grading`: strict format 0.5, soft format 0.5,
+accuracy 2.0; `--reward_funcs` takes registry names or your own `module:function`, `fitrl.reward.functions`);
 each completion's advantage is its reward relative to its group's. trl's `GRPOTrainer` runs the loop;
 fitrl loads the model (bf16, 8-bit or 4-bit base, frozen) and builds the prompts and rewards. With
 `beta > 0` the reference log-probs come from the same model with the adapter disabled.
@@ -34,13 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import ensure_chat_template, render_prompt
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import UsageError, config_dict, first_line
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
 from fitrl.ending import TrainingEnd, finish_training, samples_markdown
-from fitrl.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 from fitrl.guards import HackingGuard, Health, check_prompts, check_stop_token, heldout_set, repetition
 from fitrl.hf_trainer import (
     TrainerRun,
@@ -65,10 +63,12 @@ from fitrl.modeling import (
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
-from fitrl.reward_funcs import Checked, format_only, reward_functions
-from fitrl.rewards import is_correct
+from fitrl.reward.functions import Checked, format_only, reward_functions
 from fitrl.rollout import complete_chats
 from fitrl.stages.grpo import REPETITION_KEY, STAGE, GRPOArguments, monitors
+from fitrl.tasks.answer_format import ensure_chat_template, render_prompt
+from fitrl.tasks.grading import is_correct
+from fitrl.tasks.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 
 # GRPOArguments that trl's GRPOConfig takes under the same name (the shared trainer ones aside).
 GRPO_SETTINGS = [

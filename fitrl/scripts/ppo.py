@@ -51,18 +51,12 @@ from fitrl.ppo import metrics
 from fitrl.ppo.step import PolicyAndValue
 from fitrl.ppo.trainer import PPOTrainer, Prompts, Sampling
 from fitrl.process import entrypoint
+from fitrl.reward.factory import check_reward, load_reward
+from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import decode
-from fitrl.sentiment import (
-    PromptArguments,
-    RewardArguments,
-    SentimentJudge,
-    build_queries,
-    check_judge,
-    check_reward,
-    load_reward,
-)
 from fitrl.stages.base import start_end
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
+from fitrl.tasks.sentiment import PromptArguments, SentimentJudge, build_queries, check_judge
 
 
 @dataclass

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from fitrl.adapter_reward import score_texts
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
 from fitrl.demo import DemoArguments
@@ -44,9 +43,10 @@ from fitrl.modeling import (
 )
 from fitrl.outputs import plot_histograms, staged_output_dir, write_json
 from fitrl.planner import planned_peak_mb
-from fitrl.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
 from fitrl.process import entrypoint
+from fitrl.reward.adapter import score_texts
 from fitrl.stages.rm import EVAL_FILE, STAGE, RMArguments
+from fitrl.tasks.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
 
 
 @dataclass

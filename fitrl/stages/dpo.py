@@ -16,7 +16,6 @@ from typing import Literal
 from fitrl.config import check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
-from fitrl.preferences import PreferenceArguments
 from fitrl.stages.base import (
     Configs,
     Moves,
@@ -31,6 +30,7 @@ from fitrl.stages.base import (
     start_end,
 )
 from fitrl.stages.rm import shape_moves
+from fitrl.tasks.preferences import PreferenceArguments
 from fitrl.workload import Step, Workload
 
 EVAL_FILE = "eval.json"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from fitrl.config import check, help_field
 from fitrl.demo import DemoArguments
-from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.modeling import ModelArguments
 from fitrl.stages.base import Stage
+from fitrl.tasks.gsm8k import GSM8KDataArguments
 
 
 @dataclass

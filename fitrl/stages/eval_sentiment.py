@@ -13,8 +13,9 @@ from pathlib import Path
 from fitrl.config import check, help_field, load_run_config, parse_config
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
-from fitrl.sentiment import PromptArguments, RewardArguments
+from fitrl.reward.settings import RewardArguments
 from fitrl.stages.base import Stage, config_of, field_names
+from fitrl.tasks.sentiment import PromptArguments
 
 
 @dataclass

@@ -12,10 +12,9 @@ from typing import Literal
 
 from fitrl.config import UsageError, check, help_field
 from fitrl.demo import DemoArguments
-from fitrl.gsm8k import GSM8KDataArguments
 from fitrl.guards import Limit
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
-from fitrl.reward_funcs import DEFAULT_REWARDS
+from fitrl.reward.functions import DEFAULT_REWARDS
 from fitrl.stages.base import (
     Configs,
     Moves,
@@ -29,6 +28,7 @@ from fitrl.stages.base import (
     series,
     start_end,
 )
+from fitrl.tasks.gsm8k import GSM8KDataArguments
 from fitrl.workload import Step, Workload
 
 REPETITION_KEY = "completions/repetition"  # logged by the first reward function (fitrl.scripts.grpo)
@@ -70,7 +70,7 @@ class GRPOArguments(TrainerSettings):
     reward_funcs: list[str] = help_field(
         list(DEFAULT_REWARDS),
         "Rewards, each a registry name (strict_format, soft_format, accuracy), module:function or "
-        "path/to/file.py:function, called with the completions and the dataset's columns (fitrl.reward_funcs).",
+        "path/to/file.py:function, called with the completions and the dataset's columns (fitrl.reward.functions).",
     )
     reward_weights: list[float] | None = help_field(
         None, "Weight of each reward in reward_funcs' order in the sum GRPO learns from (empty: all 1)."

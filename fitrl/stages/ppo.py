@@ -16,8 +16,8 @@ from fitrl.guards import Limit
 from fitrl.hub import HubSettings
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.ppo import metrics
+from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import generation_batch
-from fitrl.sentiment import PromptArguments, RewardArguments
 from fitrl.stages.base import (
     STRICT_GUARDS_HELP,
     Configs,
@@ -31,6 +31,7 @@ from fitrl.stages.base import (
     series,
     start_end,
 )
+from fitrl.tasks.sentiment import PromptArguments
 from fitrl.workload import Step, Workload
 
 
@@ -208,9 +209,9 @@ def reward_model(configs: Configs) -> RewardModel | None:
         return None
     if not args.reward_adapter:
         return RewardModel(args.reward_model, args.reward_dtype, args.reward_quantization)
-    from fitrl.adapter_reward import separate_base
     from fitrl.config import UsageError
     from fitrl.modeling import resolve_model_path
+    from fitrl.reward.adapter import separate_base
 
     model, cache = (
         config_of(configs, ModelArguments).model_name_or_path,

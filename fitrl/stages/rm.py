@@ -15,7 +15,6 @@ from pathlib import Path
 from fitrl.config import check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
-from fitrl.preferences import PreferenceArguments
 from fitrl.stages.base import (
     Configs,
     Moves,
@@ -28,6 +27,7 @@ from fitrl.stages.base import (
     metrics_rows,
     series,
 )
+from fitrl.tasks.preferences import PreferenceArguments
 from fitrl.workload import Step, Workload
 
 EVAL_FILE = "eval.json"

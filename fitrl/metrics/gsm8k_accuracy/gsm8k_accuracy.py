@@ -6,14 +6,14 @@
     # {'accuracy': 1.0, 'pass_at_k': 1.0, 'format_compliance': 1.0, 'k': 1}
 
 Each prediction is the list of k completions sampled for one problem (k = 1 for greedy decoding).
-Numbers compare as numbers (`1,000`, `$18`, `18.0`); the parsing is `fitrl.rewards`, the same code
+Numbers compare as numbers (`1,000`, `$18`, `18.0`); the parsing is `fitrl.tasks.grading`, the same code
 that scores completions during GRPO training, so training reward and evaluation accuracy agree.
 """
 
 import datasets
 import evaluate
 
-from fitrl.rewards import is_correct, is_strict_format
+from fitrl.tasks.grading import is_correct, is_strict_format
 
 _DESCRIPTION = "Exact numeric match between the <answer> block of a completion and GSM8K's gold answer."
 _KWARGS_DESCRIPTION = """

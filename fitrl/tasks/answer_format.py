@@ -1,8 +1,8 @@
-"""The answer format GRPO teaches and `fitrl.rewards` checks: `<reasoning>` then `<answer>`.
+"""The answer format GRPO teaches and `fitrl.tasks.grading` checks: `<reasoning>` then `<answer>`.
 
 A leaf module (it imports nothing from fitrl): the prompt a model sees, the chat template for
 tokenizers that have none, and a GSM8K answer rewritten in the format. The GRPO and evaluation
-scripts, `fitrl.gsm8k` and the demo builder (which teaches its tiny model the format) all use it.
+scripts, `fitrl.tasks.gsm8k` and the demo builder (which teaches its tiny model the format) all use it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The one reward type every scorer is: texts in, scores out, and what it holds in memory.
 
 PPO trains against a `Reward` and knows nothing else of it. The kinds: a sequence classifier
-(`fitrl.sentiment.SentimentReward`), a Python function (`FunctionReward`), an rm stage's adapter on
-the policy's own backbone (`fitrl.adapter_reward.AdapterReward`) or on its own copy of its base
-(`SeparateAdapterReward`).
+(`fitrl.reward.classifier.ClassifierReward`), a Python function (`fitrl.reward.functions.FunctionReward`),
+an rm stage's adapter on the policy's own backbone (`fitrl.reward.adapter.AdapterReward`) or on its own
+copy of its base (`SeparateAdapterReward`); `fitrl.reward.factory.load_reward` picks one.
 """
 
 from __future__ import annotations

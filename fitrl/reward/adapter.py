@@ -30,7 +30,7 @@ from fitrl.modeling import (
     loading_errors,
     resolve_model_path,
 )
-from fitrl.reward import TextReward
+from fitrl.reward.base import TextReward
 
 REWARD_ADAPTER = "reward"  # its name beside the policy's ("default")
 

@@ -1,7 +1,7 @@
 """The GSM8K task of the GRPO stage: problems with a numeric gold answer, their chat prompts, the metric.
 
 Shared by `fitrl.scripts.grpo` (training) and `scripts/eval_gsm8k.py` (evaluation). The answer
-format lives in `fitrl.answer_format`, the rewards that check it in `fitrl.rewards`, and sampling
+format lives in `fitrl.tasks.answer_format`, the rewards that check it in `fitrl.tasks.grading`, and sampling
 completions in `fitrl.rollout`.
 """
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fitrl.answer_format import SYSTEM_PROMPT, format_solution, prompt_messages, render_prompt
 from fitrl.config import UsageError, check, help_field
 from fitrl.data import load_dataset_any, require_columns
-from fitrl.rewards import extract_answer, extract_gold, is_correct, parse_gold, read_answer
+from fitrl.tasks.answer_format import SYSTEM_PROMPT, format_solution, prompt_messages, render_prompt
+from fitrl.tasks.grading import extract_answer, extract_gold, is_correct, parse_gold, read_answer
 
-METRIC_PATH = Path(__file__).parent / "metrics" / "gsm8k_accuracy"
+METRIC_PATH = Path(__file__).parent.parent / "metrics" / "gsm8k_accuracy"
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The sentiment task of the PPO stage: review prompts and the classifier reward.
+"""The sentiment task: review prompts (read, shaped and tokenized as PPO and its evaluation read them),
+the corpus-word measure, and the judge that grades responses apart from the reward PPO trains against.
 
 Shared by `fitrl.scripts.ppo` (training) and `fitrl.scripts.eval` (evaluation).
 """
@@ -8,21 +9,18 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from fitrl.adapter_reward import AdapterReward, SeparateAdapterReward, separate_base
 from fitrl.chat import CHAT_TEMPLATE_HELP, check_chat, is_chat, render_prompt_chat, use_chat_template
-from fitrl.config import UsageError, check, first_line, help_field
+from fitrl.config import UsageError, check, help_field
 from fitrl.data import load_column
-from fitrl.modeling import load_classifier, loading_errors, resolve_model_path
-from fitrl.reward import Reward, TextReward
-from fitrl.reward_funcs import Checked, resolve, trl_keywords
+from fitrl.modeling import resolve_model_path
+from fitrl.reward.classifier import ClassifierReward, check_reward_label
+from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import sentence_end_ids
 
 
@@ -102,202 +100,6 @@ class PromptArguments:
         return self.query_max_tokens if self.prompt_shaping == "prefix" else self.max_prompt_tokens
 
 
-@dataclass
-class RewardArguments:
-    """The reward: a text classifier's opinion of query + response."""
-
-    reward_model: str = help_field(
-        "lvwerra/distilbert-imdb", "Sequence classifier (hub id, local dir, demo://classifier) scoring the text."
-    )
-    positive_label: str = help_field("POSITIVE", "The classifier's label whose score is the reward.")
-    reward_kind: Literal["logit", "probability", "margin"] = help_field(
-        "logit", "Score: the positive logit (the blog), its softmax probability, or its margin over the best other."
-    )
-    reward_batch_size: int = help_field(16, "Texts per classifier forward pass.")
-    reward_dtype: Literal["float32", "bfloat16", "float16"] = help_field(
-        "float32", "The reward model's dtype: bfloat16 / float16 halve its memory (the planner counts it)."
-    )
-    reward_quantization: Literal["none", "8bit", "4bit"] = help_field(
-        "none",
-        "Load the reward model's linear layers in 8-bit or 4-bit (bitsandbytes), its classification head in "
-        "reward_dtype: a 7B reward model beside a policy on one card.",
-    )
-    reward_adapter: str | None = help_field(
-        None,
-        "An rm stage's output (its LoRA adapter and score head) to score with instead of reward_model. Trained "
-        "on model_name_or_path, it runs on the policy's own backbone (no second model); trained on another "
-        "model, it is loaded on its own copy of that model (the planner counts it).",
-    )
-    reward_adapter_shared: bool = help_field(
-        True,
-        "false: load reward_adapter on its own copy of its base even when that is the policy's (costs that base's "
-        "memory again: for comparison).",
-    )
-    reward_function: str | None = help_field(
-        None,
-        "A Python function to score with instead of a model: a registry name (accuracy, ...), module:function or "
-        "path/to/file.py:function, called as trl calls a reward function: fn(prompts=queries, "
-        "completions=responses, **columns of reward_columns), one number per response (positive: above 0; "
-        "fitrl.reward_funcs). A GRPO reward function works unchanged.",
-    )
-
-    reward_columns: list[str] = help_field(
-        [],
-        "Columns of the prompt dataset handed to reward_function beside each prompt, by name, as trl hands a "
-        "dataset's columns to a reward function (e.g. [answer] for the accuracy reward).",
-    )
-
-    def validate(self) -> None:
-        check(self.reward_batch_size >= 1, "reward_batch_size", ">= 1")
-        if self.reward_function and self.reward_adapter:
-            raise UsageError("give reward_function or reward_adapter, not both: each replaces reward_model")
-
-
-def check_reward_label(reward_path: str, positive_label: str, reward_kind: str = "logit") -> None:
-    """Stop before any model loads if the reward model is no trained classifier, has no such label, or is a
-    scalar reward model (one output, `num_labels=1`) asked for a score only a classifier has."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(reward_path, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot load the reward model's config from {reward_path}: {first_line(e)}") from None
-    architectures = config.architectures or []
-    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
-        raise UsageError(
-            f"reward model {reward_path} is a {architectures[0]}, not a trained sequence classifier "
-            "(its classification head would be newly initialized); give a ...ForSequenceClassification model"
-        )
-    if config.num_labels == 1:  # a scalar reward model: its one output is the reward, it has no labels
-        if reward_kind != "logit":
-            raise UsageError(
-                f"reward model {reward_path} has one output (a scalar reward model), so reward_kind "
-                f"'{reward_kind}' would be constant; set reward_kind logit (the output itself)"
-            )
-        return
-    labels = list(config.id2label.values())
-    if positive_label not in labels:
-        raise UsageError(f"reward model has no label '{positive_label}' (its labels: {labels}); set positive_label")
-
-
-def check_reward(
-    args: RewardArguments, model_name: str, model_path: str, demo_assets: str, stage: str, producer: str
-) -> str | None:
-    """The reward of `stage`, checked before any model loads: a trained classifier with the positive label,
-    an adapter of the `producer` stage whose base can be loaded (the policy's own, or another), or a
-    function that imports. Returns the base that adapter is loaded on by itself (`separate_base`), else
-    None."""
-    if args.reward_function:
-        FunctionReward(args)
-        return None
-    if not args.reward_adapter:
-        reward_path = resolve_model_path(args.reward_model, demo_assets, what="reward model")
-        check_reward_label(reward_path, args.positive_label, args.reward_kind)
-        return None
-    if not Path(args.reward_adapter).expanduser().is_dir():
-        raise UsageError(f"reward_adapter {args.reward_adapter} does not exist; give the output_dir of an rm run")
-    shared = args.reward_adapter_shared
-    return separate_base(args.reward_adapter, model_name, model_path, demo_assets, shared, stage, producer)
-
-
-class SentimentReward(TextReward):
-    """Scores texts with a sequence classifier, which may use another tokenizer than the policy."""
-
-    def __init__(self, args: RewardArguments, demo_assets: str, device: torch.device):
-        from transformers import AutoTokenizer
-
-        path = resolve_model_path(args.reward_model, demo_assets, what="reward model")
-        check_reward_label(path, args.positive_label, args.reward_kind)
-        model, loading = load_classifier(path, args.reward_dtype, args.reward_quantization)
-        if loading["missing_keys"]:
-            missing = sorted(loading["missing_keys"])
-            raise UsageError(
-                f"reward model {path} has no saved weights for {missing[0]} ({len(missing)} missing): its "
-                "classification head would be random; give a trained ...ForSequenceClassification model"
-            )
-        # bitsandbytes places a quantized model as it loads it
-        self.model = model if args.reward_quantization != "none" else model.to(device)
-        with loading_errors("reward model", path):
-            self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        if self.tokenizer.pad_token is None:  # common in decoder reward models: batches need one
-            if self.tokenizer.eos_token is None:
-                raise UsageError(f"reward model {path}: its tokenizer has neither a pad nor an EOS token; add one")
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-            print(f"note: reward model {path} has no pad token; padding with its EOS token", file=sys.stderr)
-        if self.model.config.pad_token_id is None:  # a decoder classifier reads its head at the last non-pad token
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        # A scalar reward model (one output) is its own reward; a classifier's is its positive label's.
-        self.scalar = self.model.config.num_labels == 1
-        self.label = 0 if self.scalar else self.model.config.label2id[args.positive_label]
-        self.kind, self.batch_size, self.device = args.reward_kind, args.reward_batch_size, device
-        self.held = self.model
-
-    @torch.no_grad()
-    def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores, called positive): the reward of each text, and whether the positive label wins (a scalar
-        reward model: whether its output is above 0)."""
-        scores, positive = [], []
-        for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[i : i + self.batch_size], padding=True, truncation=True, return_tensors="pt")
-            logits = self.model(**enc.to(self.device)).logits.float()
-            positive.append(logits[:, 0] > 0 if self.scalar else logits.argmax(-1) == self.label)
-            if self.kind == "logit":
-                scores.append(logits[:, self.label])
-            elif self.kind == "probability":
-                scores.append(logits.softmax(-1)[:, self.label])
-            else:
-                others = torch.cat([logits[:, : self.label], logits[:, self.label + 1 :]], dim=1)
-                scores.append(logits[:, self.label] - others.max(-1).values)
-        return torch.cat(scores).cpu(), torch.cat(positive).cpu()
-
-
-class FunctionReward:
-    """Scores responses with a Python function (`reward_function`) called as trl calls one:
-    `fn(prompts=..., completions=..., **columns)`, each output checked (`fitrl.reward_funcs`). It reads the
-    text itself (no tokenizer between it and the policy's text) and holds no tensors."""
-
-    tokenizer = None
-
-    def __init__(self, args: RewardArguments) -> None:
-        self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
-        self.function.check(args.reward_columns, "reward_function")
-
-    def score(
-        self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scores, called positive: above 0); a None score (the function abstains) counts as 0."""
-        ids = columns.get("completion_ids", [[] for _ in responses])
-        data = {k: v for k, v in columns.items() if k != "completion_ids"}
-        values = self.function(list(responses), **trl_keywords(list(queries), list(ids)), **data)
-        scores = torch.tensor([0.0 if v is None else float(v) for v in values])
-        return scores, scores > 0
-
-    def tensors(self) -> list[torch.Tensor]:
-        return []
-
-
-def load_reward(
-    args: RewardArguments,
-    demo_assets: str,
-    device: torch.device,
-    reward_base: str | None = None,
-    policy: Any = None,
-    tokenizer: Any = None,
-) -> Reward | None:
-    """The reward `args` name, its kind decided here once: a function, a sequence classifier, an rm
-    stage's adapter on its own copy of `reward_base` (`check_reward` says which base), or one on the
-    policy's own backbone, which needs the `policy` (a peft model) and its `tokenizer`: None until given."""
-    if args.reward_function:
-        return FunctionReward(args)
-    if not args.reward_adapter:
-        return SentimentReward(args, demo_assets, device)
-    if reward_base is not None:
-        return SeparateAdapterReward(reward_base, args, device)
-    if policy is None:
-        return None
-    return AdapterReward(policy, args.reward_adapter, tokenizer, args.reward_batch_size)
-
-
 LEXICON_JUDGE = "demo://lexicon"
 
 
@@ -321,7 +123,7 @@ class SentimentJudge:
         self.classifier = None
         if judge_model != LEXICON_JUDGE:
             args = RewardArguments(reward_model=judge_model, positive_label=positive_label, reward_batch_size=16)
-            self.classifier = SentimentReward(args, demo_assets, device)
+            self.classifier = ClassifierReward(args, demo_assets, device)
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
         if self.classifier is None:

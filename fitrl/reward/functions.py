@@ -23,13 +23,16 @@ import inspect
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fitrl.config import RunFailed, UsageError, first_line
-from fitrl.rewards import accuracy_reward, soft_format_reward, strict_format_reward
+from fitrl.reward.settings import RewardArguments
+from fitrl.tasks.grading import accuracy_reward, soft_format_reward, strict_format_reward
 
 RewardFunction = Callable[..., list[float | None]]
 
@@ -172,3 +175,28 @@ def _problem(out: Any, n: int) -> str | None:
 def reward_functions(names: Sequence[str], observe: Callable[..., None] | None = None) -> list[Checked]:
     """The functions `names` stand for, checked; `observe` watches the batches through the first one."""
     return [Checked(name, resolve(name), observe if i == 0 else None) for i, name in enumerate(names)]
+
+
+class FunctionReward:
+    """Scores responses with a Python function (`reward_function`) called as trl calls one:
+    `fn(prompts=..., completions=..., **columns)`, each output checked (`fitrl.reward.functions`). It reads the
+    text itself (no tokenizer between it and the policy's text) and holds no tensors."""
+
+    tokenizer = None
+
+    def __init__(self, args: RewardArguments) -> None:
+        self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))
+        self.function.check(args.reward_columns, "reward_function")
+
+    def score(
+        self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, called positive: above 0); a None score (the function abstains) counts as 0."""
+        ids = columns.get("completion_ids", [[] for _ in responses])
+        data = {k: v for k, v in columns.items() if k != "completion_ids"}
+        values = self.function(list(responses), **trl_keywords(list(queries), list(ids)), **data)
+        scores = torch.tensor([0.0 if v is None else float(v) for v in values])
+        return scores, scores > 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
