@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from fitrl import report, stages
-from fitrl.config import load_run_info
+from fitrl.artifacts import RunInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,10 +27,10 @@ def costs(run_dir: Path) -> list[dict]:
     rows = []
     for stage in stages.STAGES:
         out = run_dir / stage.output_dir
-        info = load_run_info(out) if (out / "run_info.json").is_file() else {}
-        if not stage.training or "guard_seconds" not in info or stage.name not in timings:
+        info = RunInfo.read(out)
+        if not stage.training or info is None or info.guard_seconds is None or stage.name not in timings:
             continue
-        wall, spent = timings[stage.name], info["guard_seconds"]
+        wall, spent = timings[stage.name], info.guard_seconds
         rows.append({"stage": stage.name, "wall_s": wall, "guard_s": spent, "share": spent / wall})
     return rows
 

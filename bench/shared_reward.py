@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fitrl.config import load_run_info
+from fitrl.artifacts import RunInfo
 from fitrl.outputs import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +35,14 @@ def measure(run_dir: Path, shared: bool, steps: int, work: Path) -> dict:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: PPO with reward_adapter_shared {shared} failed: {result.stderr.strip().splitlines()[-1]}")
-    memory = load_run_info(out)["memory"]
+    memory = RunInfo.read(out).memory
     seconds = [sum(v for k, v in r.items() if k.startswith("time/")) for r in read_jsonl(out / "metrics.jsonl")[1:]]
     return {
         "reward_adapter_shared": shared,
-        "device": memory["device"],
-        "planned_peak_mb": memory["planned_peak_mb"],
-        "measured_peak_mb": memory["measured_peak_mb"],
-        "peak_rss_mb": memory.get("peak_rss_mb"),
+        "device": memory.device,
+        "planned_peak_mb": memory.planned_peak_mb,
+        "measured_peak_mb": memory.measured_peak_mb,
+        "peak_rss_mb": memory.peak_rss_mb,
         "seconds_per_step": round(sum(seconds) / len(seconds), 2) if seconds else None,
     }
 

@@ -43,6 +43,7 @@ KNOWN_MODELS = {
 
 def architecture(name_or_path: str, demo_assets: str | None = None) -> Any:
     """The `PretrainedConfig` of a model: a local directory, a demo asset, a shipped config or the hub cache."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     from fitrl import demo
@@ -56,6 +57,10 @@ def architecture(name_or_path: str, demo_assets: str | None = None) -> Any:
         except (OSError, ValueError, KeyError) as e:  # malformed JSON, custom code (auto_map), unknown type
             raise UsageError(
                 f"cannot plan for model {path}: its config.json cannot be read ({first_line(e)})"
+            ) from None
+        except StrictDataclassError as e:  # values transformers 5 refuses (hidden size not divisible by heads)
+            raise UsageError(
+                f"cannot plan for model {path}: transformers refuses its config.json ({first_line(e.__cause__ or e)})"
             ) from None
     shipped = KNOWN_MODELS.get(name_or_path)
     if shipped is not None:

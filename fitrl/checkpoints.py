@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fitrl.artifacts import RunInfo, written_by
 from fitrl.config import RUN_CONFIG_NAME, UsageError, first_line
 
 STATE_FILE = "trainer_state.json"
@@ -73,6 +74,29 @@ def stopped(reason: str, step: int, output_dir: str | Path, prefix: str | None, 
     latest = latest_checkpoint(checkpoint_root(output_dir), prefix) if prefix else None
     kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was saved"
     return RunFailed(f"{reason} at step {step}; {kept}; {fix}")
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """A save that failed for lack of room: a full disk, a quota, a file-size limit (safetensors' own
+    error says it in words)."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return True
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and ("File too large" in text or "No space left" in text)
+
+
+def save_failed(e: BaseException, step: int, output_dir: str | Path, prefix: str) -> Exception:
+    """The one line of a checkpoint save that failed for lack of room, naming the last complete one."""
+    latest = latest_checkpoint(checkpoint_root(output_dir), prefix)
+    return stopped(
+        f"saving a checkpoint failed ({first_line(e)}: the disk is full or a file-size limit was hit)",
+        step,
+        output_dir,
+        prefix,
+        "free space, then " + ("resume with --resume_from_checkpoint latest" if latest else "run it again"),
+    )
 
 
 def _suggest_previous(path: Path) -> str:
@@ -234,13 +258,13 @@ def check_adapter_files(adapter_dir: Path, producer: str) -> None:
 def adapter_bases(adapter_dir: Path, stage: str) -> tuple[set[str], str | None]:
     """What an adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
     `adapter_config.json`), and the name it was trained on (None: it records none)."""
-    from fitrl.config import load_run_config, load_run_info
+    from fitrl.config import load_run_config
 
-    info, config = load_run_info(adapter_dir), load_run_config(adapter_dir)
+    info, config = RunInfo.read(adapter_dir), load_run_config(adapter_dir)
     peft_base = None
     if (adapter_dir / "adapter_config.json").is_file():
         peft_base = read_adapter_config(adapter_dir, stage).get("base_model_name_or_path")
-    recorded = {config.get("model_name_or_path"), info.get("resolved_model_path"), peft_base} - {None, ""}
+    recorded = {config.get("model_name_or_path"), info and info.resolved_model_path, peft_base} - {None, ""}
     trained_on = config.get("model_name_or_path") or peft_base or (sorted(recorded)[0] if recorded else None)
     return recorded, trained_on
 
@@ -274,11 +298,9 @@ def check_adapter_base(
     the messages offer it where the stage has that setting (`forceable`); without `require_record`, an
     adapter that records no base at all passes (the merge checks shapes itself).
     """
-    from fitrl.config import load_run_info
-
     if force:
         return
-    made_by = load_run_info(adapter_dir).get("stage")
+    made_by = written_by(adapter_dir)
     if producer is not None and made_by is not None and made_by != producer:
         raise UsageError(
             f"{adapter_dir} is the output of the {made_by} stage; {stage} takes the {producer} stage's"

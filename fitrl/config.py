@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -24,7 +23,6 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 RUN_CONFIG_NAME = "run_config.yaml"
-RUN_INFO_NAME = "run_info.json"
 EXIT_USAGE = 2
 
 T = TypeVar("T")
@@ -266,29 +264,8 @@ def save_run_config(output_dir: str | Path, *configs: Any) -> Path:
     return path
 
 
-def save_run_info(output_dir: str | Path, info: dict[str, Any]) -> Path:
-    """Write what the run found or measured (paths, sizes, digests, timings) as `run_info.json`."""
-    path = Path(output_dir) / RUN_INFO_NAME
-    path.write_text(json.dumps({k: _plain(v) for k, v in info.items()}, indent=2) + "\n")
-    return path
-
-
 def _damaged(path: Path, problem: str) -> UsageError:
     return UsageError(f"{path} {problem}; it is damaged: rerun the stage that wrote it (or delete the file)")
-
-
-def load_run_info(directory: str | Path) -> dict[str, Any]:
-    """Read the `run_info.json` a stage wrote into `directory` ({} when there is none)."""
-    path = Path(directory) / RUN_INFO_NAME
-    if not path.is_file():
-        return {}
-    try:
-        info = json.loads(path.read_bytes())
-    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
-        raise _damaged(path, f"is not JSON ({first_line(e)})") from None
-    if not isinstance(info, dict):
-        raise _damaged(path, "does not hold a JSON object")
-    return info
 
 
 def load_run_config(directory: str | Path) -> dict[str, Any]:
@@ -325,7 +302,6 @@ __all__ = [
     "EXIT_USAGE",
     "ArgumentParser",
     "RUN_CONFIG_NAME",
-    "RUN_INFO_NAME",
     "RunFailed",
     "Terminated",
     "UsageError",
@@ -336,11 +312,9 @@ __all__ = [
     "first_line",
     "help_field",
     "load_run_config",
-    "load_run_info",
     "offline_note",
     "one_of",
     "parse_config",
     "save_run_config",
-    "save_run_info",
     "with_overrides",
 ]

@@ -225,8 +225,8 @@ def check_data(f: Findings, stage: Any, configs: tuple[Any, ...], hub: Callable[
                 rows = len(gsm8k.load_problems(limited, demo_assets)[0])
             elif isinstance(config, sentiment.PromptArguments):
                 rows = len(sentiment.read_prompts(config, demo_assets, ROWS_CHECKED)[0])
-            else:  # SFT: a column of texts, or of chats (`messages`), as the stage reads it
-                values = data.load_column(source, config.dataset_split, config.text_column, demo_assets)
+            else:  # SFT: a column of texts, or of chats (`messages`), as the stage reads it (every row)
+                values = data.load_column(source, config.dataset_split, config.text_column, demo_assets, carve=False)
                 if chat.check_chats(values[:ROWS_CHECKED], config.text_column, prompt=False):
                     rows = sum(v is not None for v in values[:ROWS_CHECKED])
                 else:  # the column read once, whichever it holds

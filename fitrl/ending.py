@@ -2,11 +2,9 @@
 the tokenizer, `run_config.yaml`, `run_info.json` (one layout for every stage), the curves, the
 samples, and prints one summary line.
 
-`run_info.json` holds, for every training stage: `stage`, `resolved_model_path`, `world_size`,
-`resumed_from`, `trainable_parameters`, `rank_weight_digests` (one per rank: equal, or the run
-fails), `memory` (planned and measured peaks, `fitrl.memory.memory_report`), `health` (each guard's
-verdict, `fitrl.guards`), then the stage's own figures (`details`). `README.md` is the adapter's
-model card: what it is, its figures, and how to load it.
+`run_info.json` has one layout for every training stage, `fitrl.artifacts.RunInfo`: the base, ranks,
+memory (planned and measured peaks), each guard's verdict, then the stage's own figures (`details`).
+`README.md` is the adapter's model card: what it is, its figures, and how to load it.
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ from typing import Any
 
 import torch
 
-from fitrl.config import RunFailed, save_run_config, save_run_info
+from fitrl.artifacts import MemoryFigures, RunInfo
+from fitrl.config import RunFailed, save_run_config
 from fitrl.distributed import check_ranks_in_sync
 from fitrl.guards import Health
 from fitrl.outputs import markdown_cell, plot_curves
@@ -37,7 +36,7 @@ class TrainingEnd:
     save_weights: Callable[[Path], None]  # writes them into the output directory (rank 0)
     tokenizer: Any
     trainable_parameters: int
-    memory: dict[str, Any]
+    memory: MemoryFigures
     metrics: Sequence[dict[str, Any]]
     curves: list[str]  # metrics to plot, one panel each
     plot: str  # its file name
@@ -64,19 +63,18 @@ def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
     stable_adapter_config(out)
     end.tokenizer.save_pretrained(out)
     save_run_config(out, *end.configs)
-    info = {
-        "stage": end.stage,
-        "resolved_model_path": end.model_path,
-        "world_size": end.world_size,
-        "resumed_from": end.resumed_from,
-        "trainable_parameters": end.trainable_parameters,
-        "rank_weight_digests": digests,
-        "memory": end.memory,
-        "health": end.health.to_json(),
-        "guard_seconds": round(end.health.seconds, 3),
-        **end.details,
-    }
-    save_run_info(out, info)
+    RunInfo(
+        stage=end.stage,
+        resolved_model_path=end.model_path,
+        world_size=end.world_size,
+        resumed_from=end.resumed_from,
+        trainable_parameters=end.trainable_parameters,
+        rank_weight_digests=digests,
+        memory=end.memory,
+        health=end.health.verdicts(),
+        guard_seconds=round(end.health.seconds, 3),
+        details=end.details,
+    ).write(out)
     plot_curves(end.metrics, end.curves, out / end.plot, title=end.title)
     (out / "README.md").write_text(model_card(end, out))
     if end.samples is not None:
@@ -88,13 +86,12 @@ def finish_training(end: TrainingEnd, out: Path, is_main: bool) -> None:
 def model_card(end: TrainingEnd, out: Path) -> str:
     """The adapter's model card (in place of peft's empty template): the base it needs, the stage and
     data that made it, its figures and guards as the report reads them, and how to load it."""
-    from fitrl.modeling import ModelArguments
     from fitrl.report import figures
     from fitrl.stages import get
-    from fitrl.stages.base import config_of
 
     stage = get(end.stage)
-    base = config_of(end.configs, ModelArguments).model_name_or_path
+    # The base as it resolved (a folder's absolute path, a hub id as given): the card works from anywhere.
+    base = end.model_path
     data = next((c.dataset for c in end.configs if isinstance(getattr(c, "dataset", None), str)), None)
     auto = stage.card_model_class
     lines = [
@@ -116,11 +113,17 @@ def model_card(end: TrainingEnd, out: Path) -> str:
         "## Use",
         "",
         "```python",
-        "from peft import PeftModel",
-        f"from transformers import {auto}",
-        "",
-        f'base = {auto}.from_pretrained("{base}"{stage.card_model_kwargs})',
-        'model = PeftModel.from_pretrained(base, "<this folder or its hub id>")',
+        *(
+            stage.card_snippet.format(base=base).splitlines()
+            if stage.card_snippet
+            else [
+                "from peft import PeftModel",
+                f"from transformers import {auto}",
+                "",
+                f'base = {auto}.from_pretrained("{base}"{stage.card_model_kwargs})',
+                'model = PeftModel.from_pretrained(base, "<this folder or its hub id>")',
+            ]
+        ),
         "```",
     ]
     for note in stage.card_notes:

@@ -38,11 +38,11 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
+from fitrl.artifacts import GuardVerdict
 from fitrl.config import RunFailed, UsageError
 
 # A per-token KL of the policy to itself at step 0 above this is not rounding (fp32 gives ~1e-7, bf16 ~1e-3).
@@ -89,8 +89,9 @@ class Health:
         if os.environ.get("RANK", "0") == "0":  # every rank sees the same: one warning
             warnings.warn(f"guard '{guard}' at step {step}: {saw}", stacklevel=2)
 
-    def to_json(self) -> dict[str, dict[str, Any]]:
-        return {k: dict(v) for k, v in self.seen.items()}
+    def verdicts(self) -> dict[str, GuardVerdict]:
+        """Each guard's verdict as `run_info.json` holds it."""
+        return {k: GuardVerdict(**v) for k, v in self.seen.items()}
 
 
 def check_trainable(model: torch.nn.Module, health: Health) -> int:
@@ -431,13 +432,10 @@ def check_prompt_length(dropped: int, total: int, limit: int, health: Health, cu
 Held = TypeVar("Held")
 
 
-def heldout_set(health: Health, off: str | None, dataset: str, load: Callable[[], Held], fix: str) -> Held | None:
-    """What the reward-hacking guard reads, from a held-out split of `dataset` that training never sees
-    (`load` reads it). None, the guard recorded as not run, when it is `off` (the reason) or when
-    `dataset` is one file, which has no other split; a split that does not load is a usage error
-    ending with `fix`."""
-    if off is None and Path(dataset).expanduser().is_file():
-        off = "one data file has no held-out split (give a directory)"
+def heldout_set(health: Health, off: str | None, load: Callable[[], Held], fix: str) -> Held | None:
+    """What the reward-hacking guard reads, from a held-out split that training never sees (`load` reads
+    it; one data file's held-out share, `fitrl.data`). None, the guard recorded as not run, when it is
+    `off` (the reason); a split that does not load is a usage error ending with `fix`."""
     if off is not None:
         health.not_run("reward_hacking", off)
         return None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,15 @@ from typing import Any
 import torch
 
 from fitrl import signals
-from fitrl.checkpoints import COMPLETE_FILE, check_checkpoint_files, checkpoint_root, stopped
+from fitrl.checkpoints import (
+    COMPLETE_FILE,
+    check_checkpoint_files,
+    checkpoint_root,
+    is_complete,
+    is_write_failure,
+    save_failed,
+    stopped,
+)
 from fitrl.config import RunFailed, Terminated, UsageError, save_run_config
 from fitrl.distributed import cpu_only
 from fitrl.guards import (
@@ -275,6 +284,13 @@ def train(trainer: Any, metrics: MetricsLog, resume: str | None, output_dir: str
         with signals.stop_at_step_end() as request:
             trainer.add_callback(stop_callback(request))
             trainer.train(resume_from_checkpoint=resume)
+    except Exception as e:
+        if is_write_failure(e):  # what trl half-wrote goes (it has no completion mark: never `latest`)
+            half = checkpoint_root(output_dir) / f"checkpoint-{trainer.state.global_step}"
+            if half.is_dir() and not is_complete(half) and trainer.is_world_process_zero():
+                shutil.rmtree(half, ignore_errors=True)
+            raise save_failed(e, trainer.state.global_step, output_dir, "checkpoint") from None
+        raise
     finally:
         os.environ.pop(TENSORBOARD_DIR_ENV, None)
         if not checkpoints_existed and trainer.is_world_process_zero():

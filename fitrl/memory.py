@@ -16,6 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from fitrl.artifacts import MemoryFigures
+
 
 class PeakRSS:
     """Sample this process's RSS in a background thread; `.peak_mb` and `.increase_mb` after the block.
@@ -166,16 +168,19 @@ class StepPeak:
         self._tracker = None
 
 
-def memory_report(planned_peak_mb: float | None, step_peak: StepPeak | None = None) -> dict[str, Any]:
+def memory_report(planned_peak_mb: float | None, step_peak: StepPeak | None = None) -> MemoryFigures:
     """The `memory` object of `run_info.json`: the planner's answer beside what the run measured."""
-    out: dict[str, Any] = {"planned_peak_mb": planned_peak_mb}
     if torch.cuda.is_available():
-        out["device"] = torch.cuda.get_device_name()
-        out["measured_peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-        out["measured_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
-        return out
-    out["device"] = "cpu"
+        return MemoryFigures(
+            planned_peak_mb,
+            device=torch.cuda.get_device_name(),
+            measured_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+            measured_reserved_mb=round(torch.cuda.max_memory_reserved() / 2**20, 1),
+        )
     tracked = None if step_peak is None or step_peak.peak_bytes is None else step_peak.peak_bytes / 2**20
-    out["measured_peak_mb"] = None if tracked is None else round(tracked, 1)  # tensors, comparable to the plan
-    out["peak_rss_mb"] = round(peak_memory_mb(), 1)  # the whole process: Python, libraries, allocator
-    return out
+    return MemoryFigures(
+        planned_peak_mb,
+        device="cpu",
+        measured_peak_mb=None if tracked is None else round(tracked, 1),  # tensors, comparable to the plan
+        peak_rss_mb=round(peak_memory_mb(), 1),  # the whole process: Python, libraries, allocator
+    )

@@ -100,7 +100,7 @@ def resolve_model_path(name_or_path: str, demo_assets: str, what: str = "model")
     if path.exists():
         if not (path / "config.json").is_file():
             raise UsageError(f"{what} directory {path} has no config.json; point to a saved model directory")
-        return str(path)
+        return str(path.resolve())  # recorded in what a run writes: it must resolve from any directory
     looks_like_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_like_path or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name_or_path):
         raise UsageError(f"{what} path {name_or_path} does not exist; give a local directory or a hub id")
@@ -163,10 +163,13 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype, skip: lis
 
 def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right") -> Any:
     """Load a tokenizer and give it a pad token (the EOS token) when it has none."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except StrictDataclassError as e:  # the tokenizer reads the model's config too
+        raise config_refused("model", path, e) from None
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load a tokenizer from {path}: {first_line(e)}") from None
     if tok.pad_token is None:
@@ -191,6 +194,11 @@ def _release_checkpoint_map(model: nn.Module) -> None:
                 t.data = t.data.clone()
 
 
+def config_refused(what: str, path: str, e: Exception) -> UsageError:
+    """transformers 5 validates a config's values as it reads them (hidden size divisible by the heads ...)."""
+    return UsageError(f"{what} {path}: transformers refuses its config.json ({first_line(e.__cause__ or e)}); fix it")
+
+
 @contextmanager
 def loading_errors(what: str, path: str) -> Iterator[None]:
     """What a `from_pretrained` of a user's folder raises, as one usage line: weights that would run code
@@ -198,10 +206,13 @@ def loading_errors(what: str, path: str) -> Iterator[None]:
     cannot read or that needs custom code, a model of the wrong kind."""
     import pickle
 
+    from huggingface_hub.errors import StrictDataclassError
     from safetensors import SafetensorError
 
     try:
         yield
+    except StrictDataclassError as e:
+        raise config_refused(what, path, e) from None
     except pickle.UnpicklingError:
         raise UsageError(
             f"{what} {path}: its weights hold objects other than tensors and were refused (loading them could "

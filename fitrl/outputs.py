@@ -74,14 +74,33 @@ def check_output_dir(
         if not overwrite:
             raise UsageError(f"output directory {final} is not empty; pass --overwrite_output_dir true or pick another")
         _check_replaceable(final)
+    # Probed where it would be made, making nothing: a refused run leaves no new (empty) parent folders.
+    existing = next(p for p in [final.parent, *final.parent.parents] if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"output directory {final} is inside {existing}, which is a file; choose another path")
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        probe = final.parent / f".{final.name}.write-test-{os.getpid()}"
+        probe = existing / f".{final.name}.write-test-{os.getpid()}"
         probe.mkdir()
         probe.rmdir()
     except OSError as e:
         raise UsageError(f"output directory {final} is not writable ({e.strerror}); choose another path") from None
     return final
+
+
+def make_parents(directory: Path) -> list[Path]:
+    """Make `directory` and its missing parents; the ones made, deepest first (`remove_made`)."""
+    missing = [p for p in [directory, *directory.parents] if not p.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove the folders `make_parents` made, deepest first, while they are empty."""
+    for p in made:
+        try:
+            p.rmdir()
+        except OSError:
+            return
 
 
 def _files(directory: Path) -> set[str]:
@@ -141,8 +160,10 @@ def staged_output_dir(output_dir: str | Path, overwrite: bool = False, stage: st
     state = process_state()
     final = check_output_dir(output_dir, overwrite)
     staging = staging_dir(final)
+    made: list[Path] = []
     with contextlib.ExitStack() as held:
         if state.is_main_process:
+            made = make_parents(final.parent)
             held.enter_context(output_lock(final))
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir()
@@ -152,6 +173,10 @@ def staged_output_dir(output_dir: str | Path, overwrite: bool = False, stage: st
         except BaseException:
             if state.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)
+                held.close()
+                if made:  # the lock file in a folder this run made goes with the folder
+                    (final.parent / f".{final.name}.lock").unlink(missing_ok=True)
+                    remove_made(made)
             raise
         state.wait_for_everyone()
         if state.is_main_process:

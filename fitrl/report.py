@@ -15,33 +15,45 @@ import re
 import sys
 from pathlib import Path
 
-from fitrl.config import load_run_info
+from fitrl.artifacts import GuardVerdict, MemoryFigures, RunInfo
 from fitrl.stages import STAGES, Stage, get
 
 TIMINGS = "logs/timings.json"
 
 
+def _run_memory(out: Path) -> MemoryFigures:
+    info = RunInfo.read(out) if out.is_dir() else None
+    return (info and info.memory) or MemoryFigures(None)
+
+
+def _run_health(out: Path) -> dict[str, GuardVerdict]:
+    info = RunInfo.read(out)
+    return {} if info is None else info.health
+
+
+def _step(v: GuardVerdict) -> str:
+    return "?" if v.step is None else str(v.step)
+
+
 def _memory(out: Path) -> str:
-    memory = load_run_info(out).get("memory") or {}
-    planned, measured = memory.get("planned_peak_mb"), memory.get("measured_peak_mb")
+    memory = _run_memory(out)
+    planned, measured = memory.planned_peak_mb, memory.measured_peak_mb
     if planned is None and measured is None:
         return ""
     parts = [f"planned {planned:.0f} MiB" if planned is not None else "no plan"]
     if measured is not None:
-        parts.append(f"measured {measured:.0f} MiB on {memory.get('device', '?')}")
+        parts.append(f"measured {measured:.0f} MiB on {memory.device or '?'}")
     return "peak memory " + ", ".join(parts) + " (tensors)"
 
 
 def _health(out: Path) -> str:
     """What the guards saw (`fitrl.guards`): each one that fired with its step and numbers, or that all passed."""
-    health = load_run_info(out).get("health") or {}
-    fired = [
-        f"guard {k} fired at step {v.get('step', '?')}: {v['saw']}" for k, v in health.items() if v["passed"] is False
-    ]
+    health = _run_health(out)
+    fired = [f"guard {k} fired at step {_step(v)}: {v.saw}" for k, v in health.items() if v.passed is False]
     if fired:
         return "; ".join(fired)
-    passed = [k for k, v in health.items() if v["passed"]]
-    skipped = [f"{k} ({v['saw'].removeprefix('not run: ')})" for k, v in health.items() if v["passed"] is None]
+    passed = [k for k, v in health.items() if v.passed]
+    skipped = [f"{k} ({v.saw.removeprefix('not run: ')})" for k, v in health.items() if v.passed is None]
     parts = [f"guards passed: {', '.join(passed)}"] if passed else []
     return "; ".join(parts + ([f"not run: {', '.join(skipped)}"] if skipped else []))
 
@@ -104,8 +116,8 @@ def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) 
             continue
         trained_by = stage.reads[1] if stage.reads else stage.name
         trained = run_dir / get(trained_by).output_dir
-        memory = (load_run_info(trained).get("memory") or {}) if trained.is_dir() else {}
-        planned, measured = memory.get("planned_peak_mb"), memory.get("measured_peak_mb")
+        memory = _run_memory(trained)
+        planned, measured = memory.planned_peak_mb, memory.measured_peak_mb
         cells["training time"] = _minutes(timings[trained_by]) if trained_by in timings else "?"
         cells["peak MiB planned / measured"] = " / ".join("?" if v is None else f"{v:.0f}" for v in (planned, measured))
         rows.append((f"{trained_by} ({stage.name})", cells))
@@ -118,11 +130,11 @@ def side_by_side(run_dir: Path, stages: list[Stage], timings: dict[str, float]) 
 
 
 def _guards_cell(out: Path) -> str:
-    health = load_run_info(out).get("health") or {}
-    fired = [f"{k} (step {v.get('step', '?')})" for k, v in health.items() if v["passed"] is False]
+    health = _run_health(out)
+    fired = [f"{k} (step {_step(v)})" for k, v in health.items() if v.passed is False]
     if fired:
         return "fired: " + ", ".join(fired)
-    skipped = sum(v["passed"] is None for v in health.values())
+    skipped = sum(v.passed is None for v in health.values())
     passed = f"all {len(health) - skipped} passed" if len(health) > skipped else ""
     return ", ".join(p for p in [passed, f"{skipped} not run" if skipped else ""] if p)
 
@@ -137,8 +149,8 @@ def summary(run_dir: Path, stages: list[Stage], timings: dict[str, float]) -> li
         if not out.is_dir():
             continue
         found = stage.figures(out)
-        memory = load_run_info(out).get("memory") or {}
-        peaks = [memory.get("planned_peak_mb"), memory.get("measured_peak_mb")]
+        memory = _run_memory(out)
+        peaks = [memory.planned_peak_mb, memory.measured_peak_mb]
         peak = " / ".join("-" if v is None else f"{v:.0f}" for v in peaks) if any(v is not None for v in peaks) else ""
         wall = _minutes(timings[stage.name]) if stage.name in timings else ""
         lines.append(f"| {stage.name} | {found[0] if found else 'done'} | {_guards_cell(out)} | {wall} | {peak} |")

@@ -223,6 +223,19 @@ def decode(tokenizer: Any, rollout: Rollout) -> tuple[list[str], list[str]]:
     return queries, responses
 
 
+def rendered_queries(tokenizer: Any, rollout: Rollout) -> list[str]:
+    """The queries as the policy's tokens spell them, special tokens kept (a chat in its template, as the rm
+    stage renders conversational pairs), padding removed; a leading BOS is left to the scorer's tokenizer,
+    which adds its own."""
+    bos = tokenizer.bos_token
+    adds_bos = bos is not None and tokenizer("x").input_ids[:1] == [tokenizer.bos_token_id]
+    out = []
+    for ids, m in zip(rollout.input_ids, rollout.attention_mask):
+        text = tokenizer.decode(ids[: rollout.query_len][m[: rollout.query_len].bool()], skip_special_tokens=False)
+        out.append(text[len(bos) :] if adds_bos and text.startswith(bos) else text)
+    return out
+
+
 def forward(model: Any, rollout: Rollout, **kw: Any) -> Any:
     """The model's output on the full sequences, with the positions that skip left padding."""
     mask = rollout.attention_mask

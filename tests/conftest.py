@@ -34,6 +34,15 @@ def demo_assets() -> Path:
     return demo.SHIPPED
 
 
+def load_run_info(directory: Path) -> dict:
+    """A stage's `run_info.json` read through its schema (`fitrl.artifacts.RunInfo`), as the object the
+    file holds ({} when there is none)."""
+    from fitrl.artifacts import RunInfo, to_dict
+
+    info = RunInfo.read(directory)
+    return {} if info is None else to_dict(info)
+
+
 def run_main(script: str, *args: str | Path) -> int:
     """Run `scripts/<script>` in this process as Python runs a script (`__main__`, `sys.argv` set); its
     exit code (0 when it returns). Faster than a subprocess where a test runs a light stage many times."""

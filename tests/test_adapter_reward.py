@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fitrl.config import load_run_info
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm, load_tokenizer
 from fitrl.outputs import read_jsonl
 from fitrl.reward.adapter import AdapterReward, SeparateAdapterReward
 from fitrl.reward.settings import RewardArguments
 
-from conftest import CONFIGS, run_script
+from conftest import CONFIGS, load_run_info, run_main, run_script
 
 TEXTS = [
     "The Silent Harbor is a drama. The acting was wonderful.",
@@ -84,6 +83,29 @@ def test_scoring_on_the_shared_backbone_equals_the_reward_model_and_leaves_the_p
     rm = RewardArguments(reward_adapter=str(reward_model), reward_quantization="8bit", reward_batch_size=2)
     separate, _ = SeparateAdapterReward(str(demo_assets / "lm"), rm, torch.device("cpu")).classify(TEXTS)
     assert torch.allclose(separate, expected, atol=1e-4), (separate, expected)
+
+
+@pytest.mark.slow
+def test_the_reward_models_card_loads_from_anywhere_and_scores_as_fitrl_does(
+    reward_model: Path, demo_assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The card's snippet, run as written from another directory, gives fitrl's scores: the base is
+    recorded as it resolved (an absolute path), batches need the tokenizer's pad token, and fitrl
+    appends EOS before scoring (without it the scores differ)."""
+    base = str((demo_assets / "lm").resolve())
+    card = (reward_model / "README.md").read_text()
+    assert card.startswith(f"---\nbase_model: {base}\n"), card[:200]
+    assert json.loads((reward_model / "adapter_config.json").read_text())["base_model_name_or_path"] == base
+    assert load_run_info(reward_model)["reload_check"]["max_reward_diff"] <= 1e-4  # reloaded, it scores as trained
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("<this folder or its hub id>", str(reward_model))
+    code = code.replace('texts = ["The acting was superb.", "The plot was dull."]', f"texts = {TEXTS!r}")
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(code, scope)
+    rm = RewardArguments(reward_adapter=str(reward_model), reward_batch_size=2)
+    fitrl_scores, _ = SeparateAdapterReward(base, rm, torch.device("cpu")).classify(TEXTS)
+    assert torch.allclose(scope["rewards"].float(), fitrl_scores, atol=1e-4), (scope["rewards"], fitrl_scores)
 
 
 @pytest.mark.slow
@@ -161,15 +183,51 @@ def test_a_reward_adapter_of_another_stage_is_refused_without_offering_a_force_t
     reward_model: Path, demo_assets: Path, tmp_path: Path
 ) -> None:
     """PPO and its evaluation have no `--force`: refusing an adapter that no rm run made names the fix."""
+    import dataclasses
     import shutil
 
-    from fitrl.config import UsageError, save_run_info
+    from fitrl.artifacts import RunInfo
+    from fitrl.config import UsageError
     from fitrl.reward.adapter import separate_base
 
     made_by_dpo = tmp_path / "dpo"
     shutil.copytree(reward_model, made_by_dpo)
-    save_run_info(made_by_dpo, {**load_run_info(made_by_dpo), "stage": "dpo"})
+    dataclasses.replace(RunInfo.read(made_by_dpo), stage="dpo").write(made_by_dpo)
     lm = str(demo_assets / "lm")
     with pytest.raises(UsageError) as refused:
         separate_base(made_by_dpo, "demo://lm", lm, str(demo_assets), True, "ppo", "rm")
     assert str(refused.value) == f"{made_by_dpo} is the output of the dpo stage; ppo takes the rm stage's"
+
+
+@pytest.mark.slow
+def test_a_reward_model_that_does_not_reload_as_trained_is_not_written(
+    tmp_path: Path, demo_assets: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The rm stage loads its saved adapter and head back and scores the held-out pairs again: a head that
+    did not save (here: replaced by a random one) fails the run, with nothing written."""
+    from safetensors.torch import load_file, save_file
+
+    import fitrl.scripts.rm as rm
+
+    saved = rm.save_reward_model
+
+    def random_head(trainer, out: Path) -> None:
+        saved(trainer, out)
+        weights = load_file(out / "adapter_model.safetensors")
+        head = "base_model.model.score.weight"
+        weights[head] = torch.randn(weights[head].shape, generator=torch.Generator().manual_seed(0))
+        save_file(weights, out / "adapter_model.safetensors")
+
+    monkeypatch.setattr(rm, "save_reward_model", random_head)
+    out = tmp_path / "rm"
+    code = run_main(
+        "rm.py",
+        *("--config", CONFIGS / "demo" / "rm.yaml", "--demo_assets", demo_assets, "--output_dir", out),
+        *("--model_name_or_path", "demo://lm", "--max_steps", "2", "--max_eval_samples", "8"),
+    )
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 1 and len(errors) == 1, (code, errors)
+    assert (
+        "the saved reward model does not score as the trained one" in errors[0] and "nothing was written" in errors[0]
+    )
+    assert not out.exists()

@@ -67,6 +67,10 @@ def test_a_model_that_needs_its_own_code_is_refused_without_running_it(
         ("crafted .bin", "its weights hold objects other than tensors and were refused"),
         ("truncated weights", "cannot load model"),
         ("a classifier", "cannot load model"),
+        (
+            "heads that do not divide the width",
+            "transformers refuses its config.json (The hidden size is not divisible",
+        ),
     ],
 )
 def test_a_model_folder_that_cannot_load_is_one_line(
@@ -80,8 +84,14 @@ def test_a_model_folder_that_cannot_load_is_one_line(
         (model / "pytorch_model.bin").write_bytes(pickle.dumps(Payload(marker)))
     elif damage == "truncated weights":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage.startswith("heads"):  # transformers 5 validates the config as it reads it
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 3}))
     assert message in _sft(capsys, tmp_path, demo_assets, "--model_name_or_path", model)
     assert not marker.exists()
+    if damage.startswith("heads"):
+        plan = _fails(capsys, "plan.py", "--config", CONFIGS / "demo" / "sft.yaml", "--model_name_or_path", model)
+        assert "transformers refuses its config.json (The hidden size" in plan
 
 
 def test_a_malformed_config_json_is_one_line_for_the_stage_and_the_planner(
@@ -261,3 +271,36 @@ def test_a_plan_allocates_nothing_in_proportion_to_the_model(demo_assets: Path) 
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "does NOT fit" in result.stdout
+
+
+# --- a full disk ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "flags"),
+    [
+        ("ppo.py", ["--model_name_or_path", "demo://lm", "--reward_adapter", "", "--steps", "2"]),
+        ("grpo.py", ["--max_steps", "2", "--guard_heldout_every", "0"]),
+    ],
+)
+def test_a_checkpoint_that_cannot_be_written_is_one_line_and_leaves_nothing_half_written(
+    tmp_path: Path, demo_assets: Path, script: str, flags: list[str]
+) -> None:
+    """A file-size limit (as a full disk would) hit while the first checkpoint is written: one line naming
+    the cause and what is kept, exit 1, no half-written checkpoint for `latest` to find."""
+    out = tmp_path / "out"
+    config = CONFIGS / "demo" / script.replace(".py", ".yaml")
+    cmd = [sys.executable, str(ROOT / "scripts" / script), "--config", str(config), "--demo_assets", str(demo_assets),
+           "--output_dir", str(out), "--save_steps", "1", *flags]  # fmt: skip
+
+    def limited() -> None:  # more than the logs, less than an adapter
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    result = subprocess.run(cmd, preexec_fn=limited, capture_output=True, text=True, timeout=600)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 1 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: saving a checkpoint failed (") and "File too large" in errors[0]
+    assert errors[0].endswith("at step 1; no checkpoint was saved; free space, then run it again")
+    assert "Traceback" not in result.stderr and not out.exists()
+    assert not list((tmp_path / "out.checkpoints").glob("*-1*"))  # (trl leaves its model card there)

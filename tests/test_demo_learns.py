@@ -18,10 +18,9 @@ import yaml
 from safetensors.torch import load_file
 
 from fitrl import demo
-from fitrl.config import load_run_info
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, assert_memory_planned_and_measured, bash_pipeline, demo_project, run_script
+from conftest import CONFIGS, assert_memory_planned_and_measured, bash_pipeline, demo_project, load_run_info, run_script
 
 
 @pytest.fixture(scope="module")

@@ -49,8 +49,8 @@ def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_assets: P
         {"question": "Name a colour.", "answer": "#### blue"},
         {"question": "What is 10 * 100?", "answer": "#### 1,000"},
     ]
-    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)))
-    ds, skipped = load_problems(args, str(demo_assets))
+    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "test.jsonl", rows)), dataset_split="test")
+    ds, skipped = load_problems(args, str(demo_assets))  # the held-out file itself: read whole
     assert ds["gold"] == ["4", "1,000"]
     assert skipped == [{"row": 1, "gold": "blue"}]
 
@@ -68,7 +68,7 @@ def test_non_numeric_gold_is_skipped_and_reported(tmp_path: Path, demo_assets: P
     ],
 )
 def test_bad_gsm8k_data_is_a_usage_error(tmp_path: Path, demo_assets: Path, rows: list, message: str) -> None:
-    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "bad.jsonl", rows)))
+    args = GSM8KDataArguments(dataset=str(write_jsonl(tmp_path / "test.jsonl", rows)), dataset_split="test")
     with pytest.raises(UsageError, match=message):
         load_problems(args, str(demo_assets))
 
@@ -77,8 +77,9 @@ def test_plain_numeric_answers_in_columns_of_other_names_are_read(tmp_path: Path
     """A user's own question/answer data: the answer a bare number (text or numeric), the columns named."""
     rows = [{"q": "What is 2 + 2?", "a": 4, "id": 1}, {"q": "Half of 7?", "a": "3.5", "id": 2}]
     args = GSM8KDataArguments(
-        dataset=str(write_jsonl(tmp_path / "p.jsonl", rows)), question_column="q", answer_column="a"
-    )
+        dataset=str(write_jsonl(tmp_path / "test.jsonl", rows)), dataset_split="test", question_column="q",
+        answer_column="a",
+    )  # fmt: skip
     ds, skipped = load_problems(args, str(demo_assets))
     assert ds["question"] == ["What is 2 + 2?", "Half of 7?"] and ds["gold"] == ["4", "3.5"] and not skipped
 
@@ -340,6 +341,7 @@ def test_evaluate_gsm8k_with_and_without_the_adapter(grpo_smoke: Path, demo_asse
         (["--per_device_train_batch_size", "6", "--num_generations", "4"], "divisible"),
         (["--resume_from_checkpoint", "latest"], "no complete checkpoint to resume"),
         (["--max_samples", "4", "--max_steps", "-1"], "4 problems fill less than one optimizer step"),
+        (["--max_samples", "2"], "2 problems fill less than one optimizer step"),  # max_steps: trl finds no batch
         (["--loss_type", "ppo"], "invalid choice: 'ppo'"),
         (["--reward_funcs", "accurcy"], "reward_funcs: unknown reward 'accurcy'; give a registry name"),
         (["--reward_funcs", "accuracy", "--reward_weights", "1", "2"], "invalid value for 'reward_weights'"),
@@ -365,7 +367,8 @@ def test_grpo_bad_config_exits_2(tmp_path: Path, demo_assets: Path, args: list[s
 
 @pytest.mark.parametrize("script", ["grpo.py", "eval_gsm8k.py"])
 def test_scripts_reject_answers_that_state_no_number(tmp_path: Path, demo_assets: Path, script: str) -> None:
-    data = write_jsonl(tmp_path / "bad.jsonl", [{"question": "What is 2 + 2?", "answer": "about four"}])
+    # test.jsonl: the evaluation reads it whole; GRPO trains on it whole (one row: none held out)
+    data = write_jsonl(tmp_path / "test.jsonl", [{"question": "What is 2 + 2?", "answer": "about four"}])
     config, extra = ("grpo", []) if script.startswith("grpo") else ("eval_gsm8k", ["--adapter", "null"])
     result = run_script(
         script,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from fitrl.artifacts import GuardVerdict
 from fitrl.config import RunFailed
 from fitrl.guards import (
     STEPS_WITHOUT_SIGNAL,
@@ -54,7 +55,7 @@ def test_a_frozen_model_stops_before_the_first_step() -> None:
         check_trainable(model, Health())
     health = Health()
     assert check_trainable(TwoBranches(), health) == 40
-    assert health.to_json() == {"trainable": {"passed": True, "saw": "40 trainable parameters"}}
+    assert health.verdicts() == {"trainable": GuardVerdict(passed=True, saw="40 trainable parameters")}
 
 
 def test_a_tensor_off_the_loss_path_is_named_after_the_first_optimizer_step() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fitrl.config import UsageError, load_run_info
+from fitrl.config import UsageError
 
-from conftest import error_line, run_main, run_script
+from conftest import error_line, load_run_info, run_main, run_script
 
 
 def _tiny(arch: str, tmp: Path, big: bool = False) -> Path:

@@ -122,27 +122,29 @@ def test_a_second_run_on_a_busy_output_is_refused_and_the_first_keeps_its_work(t
 @pytest.mark.parametrize(
     ("stage", "loads", "note"),
     [
-        ("sft", 'AutoModelForCausalLM.from_pretrained("demo://lm")', None),
-        ("rm", 'AutoModelForSequenceClassification.from_pretrained("outputs/demo/merged", num_labels=1)', None),
-        ("ppo", 'AutoModelForCausalLM.from_pretrained("outputs/demo/merged")', "value_head.safetensors"),
+        ("sft", 'base = AutoModelForCausalLM.from_pretrained("/models/base")\n', None),
+        ("rm", '    "/models/base", num_labels=1, pad_token_id=tokenizer.pad_token_id\n', "t + eos for t in texts"),
+        ("ppo", 'base = AutoModelForCausalLM.from_pretrained("/models/base")\n', "value_head.safetensors"),
     ],
 )
 def test_a_model_card_loads_the_base_as_its_stage_record_says(
     tmp_path: Path, stage: str, loads: str, note: str | None
 ) -> None:
     """The card's snippet comes from the stage's record (`card_model_class`, `card_model_kwargs`,
-    `card_notes`): a reward model loads as a one-label sequence classifier, PPO names its value head."""
+    `card_notes`, `card_snippet`) and names the base as it resolved: a reward model loads as a one-label
+    sequence classifier with the pad token and scores with EOS appended, PPO names its value head."""
+    from fitrl.artifacts import MemoryFigures
     from fitrl.ending import TrainingEnd, model_card
     from fitrl.stages import get
 
     configs = get(stage).parse(["--config", str(CONFIGS / "demo" / f"{stage}.yaml")])
     end = TrainingEnd(
-        stage=stage, configs=configs, model_path="x", world_size=1, trained={}, save_weights=lambda out: None,
-        tokenizer=None, trainable_parameters=1, memory={}, metrics=[], curves=[], plot="p.png", title="T",
-        summary="s",
+        stage=stage, configs=configs, model_path="/models/base", world_size=1, trained={},
+        save_weights=lambda out: None, tokenizer=None, trainable_parameters=1, memory=MemoryFigures(),
+        metrics=[], curves=[], plot="p.png", title="T", summary="s",
     )  # fmt: skip
     card = model_card(end, tmp_path)
-    assert f"base = {loads}\n" in card, card
+    assert loads in card and card.startswith("---\nbase_model: /models/base\n"), card
     assert (note in card) if note else "value_head" not in card
 
 
@@ -168,3 +170,18 @@ def test_an_evaluation_of_one_prompt_writes_json_every_reader_takes(tmp_path: Pa
         "x": 0.5,
     }
     assert "NaN" not in (tmp_path / "eval.json").read_text()
+
+
+def test_a_refused_or_failed_run_leaves_no_new_parent_folders(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Refused before it starts (a missing model) or failing inside its staged output, a run removes the
+    folders it made for its output, and never one that was there before."""
+    out = tmp_path / "new" / "deeper" / "out"
+    code = run_main("sft.py", "--config", CONFIGS / "demo" / "sft.yaml", "--output_dir", out,
+                    "--model_name_or_path", tmp_path / "no-such-model")  # fmt: skip
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError), staged_output_dir(tmp_path / "kept" / "made" / "out") as staging:
+        (staging / "half.txt").write_text("half-written")
+        raise RuntimeError("the stage failed")
+    assert list(tmp_path.iterdir()) == [tmp_path / "kept"] and not any((tmp_path / "kept").iterdir())

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fitrl.config import load_run_info
-
-from conftest import CONFIGS, ROOT, bash_pipeline, demo_project, pipeline_env
+from conftest import CONFIGS, ROOT, bash_pipeline, demo_project, load_run_info, pipeline_env
 
 
 def _pipeline(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -140,6 +138,7 @@ def test_a_projects_own_launcher_is_listed_and_named_like_a_shipped_one(tmp_path
     [
         (["--profile", "nope"], "error: no profile configs/nope"),
         (["--from", "bogus"], "error: unknown stage 'bogus' for --from"),
+        (["--stages", "sft", "--from", "ppo"], "error: give --stages (or STAGES) or --from, not both"),
         (["--launcher", "nosuch"], "error: unknown launcher 'nosuch'"),
         (["--frobnicate"], "error: unrecognized arguments: --frobnicate"),
     ],

@@ -9,11 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fitrl.config import load_run_info
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, Payload, accelerate_launch, error_line, run_script, sigterm_when
+from conftest import CONFIGS, Payload, accelerate_launch, error_line, load_run_info, run_script, sigterm_when
 
 PPO_YAML = CONFIGS / "demo" / "ppo.yaml"
 # The demo base stands in for the merged model and the demo classifier scores, so these tests do not

@@ -29,6 +29,7 @@ class VowelReward:
     from the prompts' `bonus` column (so a column reaching the reward is seen in the scores)."""
 
     tokenizer = None
+    rendered = False  # it reads the text as a user sees it
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, float]] = []

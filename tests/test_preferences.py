@@ -74,3 +74,69 @@ def test_a_pair_file_a_stage_cannot_learn_from_is_one_line_and_exit_2(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and message in errors[0], (code, errors)
     assert not out.exists()
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+USER = [{"role": "user", "content": "How was the film?"}]
+CHOSEN = [{"role": "assistant", "content": "Wonderful."}]
+REJECTED = [{"role": "assistant", "content": "Dull."}]
+
+
+def _chat_tokenizer(demo_assets: Path):
+    from fitrl.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(str(demo_assets / "lm"))
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    ("row", "prompt_column"),
+    [
+        ({"prompt": USER, "chosen": CHOSEN, "rejected": REJECTED}, "prompt"),  # trl's explicit prompt
+        ({"chosen": USER + CHOSEN, "rejected": USER + REJECTED}, None),  # trl's implicit prompt: whole chats
+    ],
+)
+def test_conversational_pairs_are_rendered_with_the_chat_template_as_trl_renders_them(
+    tmp_path: Path, demo_assets: Path, row: dict, prompt_column: str | None
+) -> None:
+    """rm and DPO used to refuse trl's conversational pairs ("'prompt' is not text (list)")."""
+    from fitrl.tasks.preferences import PreferenceArguments, pair_texts, train_and_eval_pairs
+
+    folder = _pairs(tmp_path, [row, row])
+    args = PreferenceArguments(dataset=str(folder), prompt_column=prompt_column)
+    train, held_out, dropped, chat = train_and_eval_pairs(args, _chat_tokenizer(demo_assets), str(demo_assets))
+    cue = "<|im_start|>user\nHow was the film?<|im_end|>\n<|im_start|>assistant\n"
+    assert train[0] == {"prompt": cue, "chosen": "Wonderful.<|im_end|>\n", "rejected": "Dull.<|im_end|>\n"}
+    assert pair_texts(held_out[0]) == (cue + "Wonderful.<|im_end|>\n", cue + "Dull.<|im_end|>\n")
+    assert dropped == 0 and chat
+
+
+@pytest.mark.parametrize(
+    ("row", "flags", "message"),
+    [
+        ({"prompt": USER + CHOSEN, "chosen": CHOSEN, "rejected": REJECTED}, ["--prompt_column", "prompt"],
+         "row 1 of column 'prompt' ends with the assistant's turn"),
+        ({"prompt": USER, "chosen": CHOSEN, "rejected": REJECTED}, ["--prompt_column", ""],
+         "has a 'prompt' column beside chats, which prompt_column leaves out; set prompt_column: prompt"),
+        ({"chosen": USER + CHOSEN, "rejected": REJECTED}, ["--prompt_column", ""],
+         "row 1: chosen and rejected differ before their last turn; give the shared turns as 'prompt'"),
+        ({"prompt": USER, "chosen": [{"role": "assistant"}], "rejected": REJECTED}, ["--prompt_column", "prompt"],
+         "row 1 of column 'chosen' is not a chat"),
+    ],
+)  # fmt: skip
+def test_a_conversational_pair_a_stage_cannot_learn_from_is_one_line(
+    tmp_path: Path, demo_assets: Path, capsys: pytest.CaptureFixture, row: dict, flags: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    code = run_main(
+        "rm.py",
+        *("--config", CONFIGS / "demo" / "rm.yaml", "--demo_assets", demo_assets, "--model_name_or_path", "demo://lm"),
+        *("--dataset", _pairs(tmp_path, [row]), "--output_dir", out, *flags),
+    )
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and message in errors[0], (code, errors)
+    assert not out.exists()

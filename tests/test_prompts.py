@@ -23,9 +23,13 @@ def _tokenizer(demo_assets: Path):
 
 
 def _file(tmp_path: Path, rows: list[dict]) -> str:
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    """The rows as the train split of a folder with a held-out file too: read whole (one file alone would
+    have a share held out, `fitrl.data`)."""
+    folder = tmp_path / "prompts"
+    folder.mkdir(exist_ok=True)
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder)
 
 
 def _chat(question: str) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fitrl import report, stages
-from fitrl.config import save_run_info
+from fitrl.artifacts import GuardVerdict, MemoryFigures, RunInfo
 from fitrl.outputs import write_jsonl
 
 
@@ -13,7 +13,8 @@ def _stage_output(run_dir: Path, name: str, losses: list[float], health: dict, m
     out = run_dir / stages.get(name).output_dir
     out.mkdir(parents=True)
     write_jsonl(out / "metrics.jsonl", [{"step": i + 1, "loss": v} for i, v in enumerate(losses)])
-    save_run_info(out, {"stage": name, "health": health, "memory": memory})
+    verdicts = {k: GuardVerdict(**v) for k, v in health.items()}
+    RunInfo(stage=name, health=verdicts, memory=MemoryFigures(**memory) if memory else None).write(out)
 
 
 def test_the_first_page_sums_up_each_stage_and_the_html_renders_code(tmp_path: Path) -> None:
@@ -40,14 +41,11 @@ def test_a_guard_that_could_not_run_is_reported_as_not_run_never_as_passed(tmp_p
 
     health = Health()
     health.passed("trainable", "x")
-    health.not_run("reward_hacking", "one data file has no held-out split (give a directory)")
+    health.not_run("reward_hacking", "guard_heldout_every is 0")
     health.passed("reward_hacking", "a later pass does not turn it into a pass")
     assert health.seen["reward_hacking"]["passed"] is True  # ... unless the guard did run after all
-    health.not_run("reward_hacking", "one data file has no held-out split (give a directory)")
-    _stage_output(tmp_path, "dpo", [0.7, 0.5], health.to_json(), {})
+    health.not_run("reward_hacking", "guard_heldout_every is 0")
+    _stage_output(tmp_path, "dpo", [0.7, 0.5], {k: vars(v) for k, v in health.verdicts().items()}, {})
     md = report.write(tmp_path, title="t")[0].read_text()
     assert "| all 1 passed, 1 not run |" in md
-    assert (
-        "- guards passed: trainable; not run: reward_hacking (one data file has no held-out split (give a directory))"
-        in md
-    )
+    assert "- guards passed: trainable; not run: reward_hacking (guard_heldout_every is 0)" in md

@@ -258,3 +258,21 @@ def test_generation_batch_defaults_to_the_no_grad_batch_and_never_exceeds_a_step
     assert generation_batch(None, 8, 32) == 8
     assert generation_batch(32, 8, 128) == 32
     assert generation_batch(None, 16, 4) == generation_batch(64, 8, 4) == 4
+
+
+def test_a_reward_adapter_reads_a_chat_prompt_as_rendered_and_logs_read_it_as_text(demo_assets) -> None:
+    """The rm stage trains on conversational pairs rendered in the chat template, special tokens and all:
+    PPO's reward adapter reads a chat prompt the same way (`rendered_queries`), the logs without them."""
+    from fitrl.modeling import load_tokenizer
+    from fitrl.rollout import decode, rendered_queries
+
+    tokenizer = load_tokenizer(str(demo_assets / "lm"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    prompt = "<|im_start|>user\nHow was it?<|im_end|>\n<|im_start|>assistant\n"
+    q = tokenizer(prompt).input_ids
+    r = tokenizer(" Fine.").input_ids
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([[pad, *q, *r]])
+    rollout = Rollout(ids, torch.tensor([[0] + [1] * (len(q) + len(r))]), torch.ones(1, len(r)), len(q) + 1)
+    assert rendered_queries(tokenizer, rollout) == [prompt]  # padding gone, the template's tokens kept
+    assert decode(tokenizer, rollout) == (["user\nHow was it?\nassistant\n"], [" Fine."])

@@ -9,11 +9,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fitrl.config import load_run_config, load_run_info
+from fitrl.config import load_run_config
 from fitrl.distributed import tensor_digest
 from fitrl.outputs import read_jsonl
 
-from conftest import CONFIGS, accelerate_launch, assert_memory_planned_and_measured, error_line, run_script
+from conftest import (
+    CONFIGS,
+    accelerate_launch,
+    assert_memory_planned_and_measured,
+    error_line,
+    load_run_info,
+    run_script,
+)
 
 SFT_YAML = CONFIGS / "demo" / "sft.yaml"
 
@@ -128,7 +135,7 @@ def test_unwritable_output_dir_exits_2(tmp_path: Path, demo_assets: Path) -> Non
     out = blocker / "out"
     result = _sft(out, demo_assets)
     assert result.returncode == 2
-    assert "not writable" in error_line(result)
+    assert f"is inside {blocker}, which is a file; choose another path" in error_line(result)
 
 
 def test_non_empty_output_dir_is_refused_without_overwrite(tmp_path: Path, demo_assets: Path) -> None:

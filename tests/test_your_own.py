@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fitrl.config import load_run_info
 from fitrl.outputs import read_jsonl
+
+from conftest import load_run_info
 
 FITRL = Path(sys.executable).parent / "fitrl"
 CHATML = (
@@ -67,10 +68,16 @@ def _data(root: Path) -> None:
         [{"role": "user", "content": q["q"]}, {"role": "assistant", "content": f"It is {q['a']}."}] for q in questions
     ]
     prompts = [[{"role": "system", "content": "Answer kindly."}, c[0]] for c in chats]
+    # trl's conversational preference pairs: the prompt turns, then the right and a wrong answer
+    pairs = [
+        {"prompt": c[:1], "chosen": c[1:], "rejected": [{"role": "assistant", "content": f"It is {q['a'] + 1}."}]}
+        for c, q in zip(chats, questions)
+    ]
     for name, rows in [
         ("chats.jsonl", [{"messages": c} for c in chats]),
         ("prompts.jsonl", [{"messages": p} for p in prompts]),
         ("questions.jsonl", questions),
+        ("pairs.jsonl", pairs),
     ]:
         (root / "data").mkdir(exist_ok=True)
         (root / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -83,10 +90,14 @@ def _configs(root: Path, policy: Path, scorer: Path) -> None:
     configs = {
         "sft": {**model, "dataset": "data/chats.jsonl", "text_column": "messages", "block_size": 32,
                 "output_dir": "outputs/sft", "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1},
+        "rm": {**model, "dataset": "data/pairs.jsonl", "prompt_column": "prompt", "output_dir": "outputs/rm",
+               "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1, "max_length": 64},
         "ppo": {**model, "dataset": "data/prompts.jsonl", "text_column": "messages", "max_prompt_tokens": 64,
                 "response_min_tokens": 4, "response_max_tokens": 8, "reward_model": str(scorer),
                 "output_dir": "outputs/ppo", "steps": 2, "batch_size": 8, "mini_batch_size": 4,
                 "forward_batch_size": 8, "ppo_epochs": 1, "report_to": "none"},
+        "dpo": {**model, "dataset": "data/pairs.jsonl", "prompt_column": "prompt", "output_dir": "outputs/dpo",
+                "max_steps": 2, "per_device_train_batch_size": 4, "logging_steps": 1, "max_length": 64},
         "grpo": {**model, "dataset": "data/questions.jsonl", "question_column": "q", "answer_column": "a",
                  "reward_funcs": ["accuracy", "my_rewards:brevity"], "reward_weights": [1.0, 0.5],
                  "output_dir": "outputs/grpo", "max_steps": 2, "per_device_train_batch_size": 4,
@@ -109,17 +120,30 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     _configs(tmp_path, policy, scorer)
 
     # The folder is a profile of the pipeline too, run from here (its relative data paths read from here):
-    # it would run sft, ppo and grpo into outputs/mine; SFT goes that way, the rest one command each.
+    # it would run sft, rm, ppo, dpo and grpo into outputs/mine; SFT goes that way, the rest one command each.
     planned = _fitrl(tmp_path, "pipeline", "--profile", "mine", "--dry_run")
     assert planned.returncode == 0, planned.stderr[-3000:]
     configs = [line.split("--config ")[1].split()[0] for line in planned.stdout.splitlines()]
-    assert configs == ["mine/sft.yaml", "mine/ppo.yaml", "mine/grpo.yaml"], planned.stdout
+    assert configs == [f"mine/{s}.yaml" for s in ("sft", "rm", "ppo", "dpo", "grpo")], planned.stdout
     sft = _fitrl(tmp_path, "pipeline", "--profile", "mine", "--stages", "sft")
     assert sft.returncode == 0, sft.stderr[-3000:]
     out = tmp_path / "outputs" / "mine" / "sft"
     assert (out / "adapter_model.safetensors").is_file() and (out / "chat_template.jinja").read_text() == CHATML
     assert len(read_jsonl(out / "metrics.jsonl")) >= 2
     assert "fitrl mine run" in (tmp_path / "outputs" / "mine" / "report.md").read_text()
+
+    # Conversational pairs, rendered in the chat template; one data file: 10% of it held out, and said so.
+    for stage in ("rm", "dpo"):
+        trained = _fitrl(tmp_path, stage, "--config", f"mine/{stage}.yaml")
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        held_out = json.loads((tmp_path / "outputs" / stage / "eval.json").read_text())
+        assert held_out["n_pairs"] == 3 and held_out["split"] == "test: 10% held out of pairs.jsonl (seed 0)"
+        assert "on 3 pairs (test: 10% held out of pairs.jsonl (seed 0))" in trained.stdout + trained.stderr
+
+    # PPO against that reward model on chat prompts: it reads them rendered, as it trained (no note)
+    against_rm = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml", "--reward_adapter", "outputs/rm",
+                        "--output_dir", "outputs/ppo_rm")  # fmt: skip
+    assert against_rm.returncode == 0 and "note: the reward adapter" not in against_rm.stderr, against_rm.stderr[-3000:]
 
     refused = _fitrl(tmp_path, "ppo", "--config", "mine/ppo.yaml", "--reward_kind", "probability")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
@@ -129,7 +153,7 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     assert ppo.returncode == 0, ppo.stderr[-3000:]
     out = tmp_path / "outputs" / "ppo"
     info = load_run_info(out)
-    assert info["prompts"] == "32 prompts from 32 chats of data/prompts.jsonl"
+    assert info["prompts"] == "29 prompts from 29 chats of data/prompts.jsonl"  # 3 of the 32 held out
     assert info["stop_at_eos"] is True  # a chat's turn ends at EOS (texts keep the blog's drawn lengths)
     assert ppo.stderr.count("has no pad token; padding with its EOS token") == 1
     # the chat in its template, read back (and by the reward model) as text without the special tokens
@@ -141,7 +165,7 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
                        "--n_prompts", "8", "--batch_size", "8")  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     report = json.loads((tmp_path / "outputs" / "eval" / "eval.json").read_text())
-    assert report["n_prompts"] == 8 and all(
+    assert report["n_prompts"] == 3 and all(  # the 3 prompts held out of the file PPO trained on
         s["query"].startswith("system\nAnswer kindly.\nuser\n") for s in report["samples"]
     )
 
@@ -149,7 +173,7 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
     assert grpo.returncode == 0, grpo.stderr[-3000:]
     out = tmp_path / "outputs" / "grpo"
     info = load_run_info(out)
-    assert info["problems"] == 32 and info["first_prompt_rendered"].endswith("<|im_start|>assistant\n")
+    assert info["problems"] == 29 and info["first_prompt_rendered"].endswith("<|im_start|>assistant\n")
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "rewards/brevity/mean" in r]
     assert len(rows) == 2 and all(r["rewards/brevity/mean"] <= 0 for r in rows)
     assert all("rewards/accuracy_reward/mean" in r for r in rows)

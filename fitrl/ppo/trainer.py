@@ -38,7 +38,7 @@ from fitrl.outputs import MetricsLog
 from fitrl.ppo import core, metrics
 from fitrl.ppo.step import Experience, PolicyAndValue, UpdateStats, make_experience, ppo_update
 from fitrl.reward.base import Reward
-from fitrl.rollout import Rollout, decode, generation_batch, sample_responses
+from fitrl.rollout import Rollout, decode, generation_batch, rendered_queries, sample_responses
 from fitrl.stages.ppo import PPOArguments
 
 VALUE_HEAD = "value_head.safetensors"  # tensors only: it loads without pickle
@@ -214,12 +214,20 @@ class PPOTrainer:
         if self.accelerator.is_main_process:
             staging = path.with_name(path.name + ".partial")
             shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            self.unwrapped.policy.save_pretrained(staging / ADAPTER, selected_adapters=["default"])
-            self.save_value_head(staging)
-            torch.save(self.optimizer.state_dict(), staging / OPTIMIZER)
-            (staging / STATE_FILE).write_text(json.dumps(state))
-            save_run_config(staging, *self.configs)
+            try:
+                staging.mkdir(parents=True)
+                self.unwrapped.policy.save_pretrained(staging / ADAPTER, selected_adapters=["default"])
+                self.save_value_head(staging)
+                torch.save(self.optimizer.state_dict(), staging / OPTIMIZER)
+                (staging / STATE_FILE).write_text(json.dumps(state))
+                save_run_config(staging, *self.configs)
+            except Exception as e:
+                shutil.rmtree(staging, ignore_errors=True)  # never a half-written checkpoint beside the others
+                if checkpoints.is_write_failure(e):
+                    raise checkpoints.save_failed(
+                        e, self.state.step, self.args.output_dir, self.checkpoint_prefix
+                    ) from None
+                raise
             shutil.rmtree(path, ignore_errors=True)
             staging.rename(path)
         self.accelerator.wait_for_everyone()
@@ -297,7 +305,8 @@ class PPOTrainer:
                 joined = [q + r for q, r in zip(q_texts, r_texts)]
                 check_reward_tokenizer(joined, self.tokenizer, self.reward.tokenizer, self.health)
         columns = {**columns, "completion_ids": [ids for r in rollouts for ids in r.response_ids()]}
-        raw = self.reward.score(q_texts, r_texts, columns)[0].to(self.device)  # (B,)
+        read = [q for r in rollouts for q in rendered_queries(self.tokenizer, r)] if self.reward.rendered else q_texts
+        raw = self.reward.score(read, r_texts, columns)[0].to(self.device)  # (B,)
         if not torch.isfinite(raw).all():
             raise self.stopped("non-finite reward", step + 1)
         scores = raw

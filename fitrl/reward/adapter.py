@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from fitrl.artifacts import RunInfo
 from fitrl.checkpoints import adapter_bases, check_adapter_base, check_adapter_files, is_model, load_safetensors
-from fitrl.config import UsageError, load_run_info
+from fitrl.config import UsageError
 from fitrl.modeling import (
     SCORE_HEAD,
     ModelArguments,
@@ -65,6 +66,8 @@ def active_adapter(model: nn.Module, name: str) -> Iterator[None]:
 
 class AdapterReward(TextReward):
     """Scores texts with the reward adapter and head on `policy`'s backbone (a peft model)."""
+
+    rendered = True  # the rm stage trained on texts (and chats) as rendered, special tokens and all
 
     def __init__(self, policy: Any, adapter_dir: str | Path, tokenizer: Any, batch_size: int):
         from peft import LoraConfig, set_peft_model_state_dict
@@ -165,7 +168,8 @@ def separate_base(
     if shared and (not recorded or is_model(recorded, model_name, model_path)):
         check_adapter_base(adapter_dir, model_name, model_path, stage, force=False, producer=producer, forceable=False)
         return None
-    base = load_run_info(adapter_dir).get("resolved_model_path") or trained_on
+    info = RunInfo.read(adapter_dir)
+    base = (info and info.resolved_model_path) or trained_on
     if base is None:
         raise UsageError(
             f"reward adapter {adapter_dir} records no base model; give the output_dir of an {producer} run"
@@ -180,6 +184,8 @@ class SeparateAdapterReward(TextReward):
     the policy in `reward_dtype` / `reward_quantization`: a reward model trained on another model than
     the policy's. A text is scored as `AdapterReward` scores it (EOS appended, the head read at the last
     token)."""
+
+    rendered = True
 
     def __init__(self, base: str, args: Any, device: torch.device) -> None:
         """`args`: PPO's `RewardArguments` (reward_adapter, reward_dtype, reward_quantization, reward_batch_size)."""

@@ -23,6 +23,9 @@ class Reward(Protocol):
     """
 
     tokenizer: Any
+    # True: it reads each query as the policy's tokens spell it, special tokens kept (a chat in its
+    # template, as the rm stage trained on rendered chats); False: as text without special tokens.
+    rendered: bool
 
     def score(
         self, queries: Sequence[str], responses: Sequence[str], columns: Mapping[str, Sequence[Any]]
@@ -41,6 +44,7 @@ class TextReward:
 
     tokenizer: Any = None
     held: torch.nn.Module | None = None
+    rendered = False
 
     def classify(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, called positive) of each text, on the CPU."""

@@ -183,6 +183,7 @@ class FunctionReward:
     text itself (no tokenizer between it and the policy's text) and holds no tensors."""
 
     tokenizer = None
+    rendered = False  # a function reads the text a user sees
 
     def __init__(self, args: RewardArguments) -> None:
         self.function = Checked(args.reward_function, resolve(args.reward_function, "reward_function"))

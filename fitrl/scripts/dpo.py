@@ -24,8 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fitrl.artifacts import DPOEval, to_dict
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
+from fitrl.data import carved, split_name
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.hf_trainer import (
@@ -40,10 +42,10 @@ from fitrl.hf_trainer import train as train_with_guards
 from fitrl.hub import push_output
 from fitrl.memory import memory_report
 from fitrl.modeling import LoraArguments, ModelArguments, add_lora, load_causal_lm
-from fitrl.outputs import staged_output_dir, write_json
+from fitrl.outputs import staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
-from fitrl.stages.dpo import EVAL_FILE, STAGE, DPOArguments
+from fitrl.stages.dpo import STAGE, DPOArguments
 from fitrl.tasks.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs
 
 
@@ -111,7 +113,7 @@ def build(run: Run) -> None:
     quiet_progress(run.trainer)
 
 
-def evaluate(run: Run) -> dict[str, Any]:
+def evaluate(run: Run) -> DPOEval:
     """Held-out pairs under the trained policy: how often its implicit reward, beta x the log-ratio to the
     reference, ranks chosen above rejected, and by how much (both measured against 0: at the start the
     policy is the reference)."""
@@ -120,15 +122,15 @@ def evaluate(run: Run) -> dict[str, Any]:
     if rows and any(key.startswith("eval_") for key in rows[-1]):  # the evaluation's row: eval.json has it
         rows.pop()
         run.metrics.rewrite()
-    return {
-        "split": run.data_args.eval_split,
-        "n_pairs": len(run.inputs.eval_pairs),
-        "accuracy": found["eval_rewards/accuracies"],
-        "margin": found["eval_rewards/margins"],
-        "reward_chosen": found["eval_rewards/chosen"],
-        "reward_rejected": found["eval_rewards/rejected"],
-        "beta": run.args.beta,
-    }
+    return DPOEval(
+        split=split_name(run.data_args.dataset, run.data_args.eval_split),
+        n_pairs=len(run.inputs.eval_pairs),
+        accuracy=found["eval_rewards/accuracies"],
+        margin=found["eval_rewards/margins"],
+        reward_chosen=found["eval_rewards/chosen"],
+        reward_rejected=found["eval_rewards/rejected"],
+        beta=run.args.beta,
+    )
 
 
 def finish(run: Run) -> None:
@@ -156,14 +158,18 @@ def finish(run: Run) -> None:
         plot=STAGE.plot,
         title=f"DPO: {run.model_args.model_name_or_path} on {run.data_args.dataset}",
         summary=(
-            f"DPO done: held-out implicit-reward accuracy {report['accuracy']:.1%}, margin {report['margin']:.3f} "
-            f"on {report['n_pairs']} pairs; adapter written to {run.args.output_dir}"
+            f"DPO done: held-out implicit-reward accuracy {report.accuracy:.1%}, margin {report.margin:.3f} "
+            f"on {report.n_pairs} pairs{carved(report.split)}; adapter written to {run.args.output_dir}"
         ),
-        details={"train_pairs": len(run.inputs.train_pairs), "dropped_long_pairs": run.inputs.dropped, "eval": report},
+        details={
+            "train_pairs": len(run.inputs.train_pairs),
+            "dropped_long_pairs": run.inputs.dropped,
+            "eval": to_dict(report),
+        },
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
-        write_json(run.out / EVAL_FILE, report)
+        report.write(run.out)
 
 
 @entrypoint

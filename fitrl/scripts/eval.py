@@ -21,13 +21,15 @@ from pathlib import Path
 
 import torch
 
+from fitrl.artifacts import JudgeFigures, ResponseScores, SentimentEval, written_by
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import load_run_info, save_run_config
+from fitrl.config import save_run_config
+from fitrl.data import carved, split_name
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir, write_json
+from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
 from fitrl.process import entrypoint
 from fitrl.reward.factory import check_reward, load_reward
-from fitrl.rollout import decode, response_logprobs, sample_responses
+from fitrl.rollout import decode, rendered_queries, response_logprobs, sample_responses
 from fitrl.stages.eval_sentiment import STAGE
 from fitrl.tasks.sentiment import (
     SentimentJudge,
@@ -79,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = answer_and_score(
             policy, tokenizer, queries, columns, prompt_args, stop_at_eos, args, reward, judge, device
         )
-        report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path)
-        write_json(out / "eval.json", report)
+        split = split_name(prompt_args.dataset, prompt_args.dataset_split)
+        report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path, split)
+        report.write(out)
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
         plot_histograms(
@@ -102,7 +105,7 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     adapter_dir = Path(args.adapter_dir).expanduser()
     check_adapter_files(adapter_dir, "policy")
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
-    made_by = load_run_info(adapter_dir).get("stage")  # the same evaluation judges PPO's and DPO's policies
+    made_by = written_by(adapter_dir)  # the same evaluation judges PPO's and DPO's policies
     producer = made_by if made_by in STAGE.judges else STAGE.reads[1]
     check_adapter_base(adapter_dir, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     reward_base = check_reward(
@@ -146,8 +149,9 @@ def answer_and_score(
             "reference": [q + r for q, r in zip(q_texts, r_texts)],
         }
         batch = {k: v[c : c + args.batch_size] for k, v in columns.items()}
+        read = rendered_queries(tokenizer, rollout) if reward.rendered else q_texts  # as PPO's reward read them
         scored = {
-            who: reward.score(q_texts, rs, {**batch, "completion_ids": r.response_ids()})
+            who: reward.score(read, rs, {**batch, "completion_ids": r.response_ids()})
             for who, rs, r in [("policy", p_texts, rollout), ("reference", r_texts, ref_rollout)]
         }
         verdicts = {who: judge(t) if judge else None for who, t in texts.items()}
@@ -162,61 +166,77 @@ def answer_and_score(
     return rows
 
 
-def summarize(rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, model: str) -> dict:
+def summarize(
+    rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, model: str, split: str
+) -> SentimentEval:
     """The headline figures of both sides, then every sample."""
-    report = {"n_prompts": len(rows), "adapter_dir": str(adapter_dir), "model": model}
-    for who in ("policy", "reference"):
-        report[who] = {
+    n = len(rows)
+
+    def side(who: str) -> ResponseScores:
+        return ResponseScores(
             **summary(torch.tensor([r[f"{who}_reward"] for r in rows])),
-            "positive_share": sum(r[f"{who}_positive"] for r in rows) / len(rows),
-            "corpus_word_share": corpus_word_share(
+            positive_share=sum(r[f"{who}_positive"] for r in rows) / n,
+            corpus_word_share=corpus_word_share(
                 [r["query"] for r in rows], [r[f"{who}_response"] for r in rows], vocabulary
             ),
-        }
-    report["kl_mean"] = sum(r["kl"] for r in rows) / len(rows)
+        )
+
     # The share of prompts whose policy response the reward model scores above the reference's (ties: half).
     wins = [
         1.0 if r["policy_reward"] > r["reference_reward"] else 0.5 * (r["policy_reward"] == r["reference_reward"])
         for r in rows
     ]
-    report["win_rate"] = sum(wins) / len(rows)
+    verdicts = None
+    if judge:  # the judge's positive share of each side, and its mean verdict in [-1, 1]
+        verdicts = JudgeFigures(
+            model=judge.name,
+            policy=sum(r["policy_judge"] > 0 for r in rows) / n,
+            policy_mean=sum(r["policy_judge"] for r in rows) / n,
+            reference=sum(r["reference_judge"] > 0 for r in rows) / n,
+            reference_mean=sum(r["reference_judge"] for r in rows) / n,
+        )
+    return SentimentEval(
+        n_prompts=n,
+        adapter_dir=str(adapter_dir),
+        model=model,
+        split=split,
+        policy=side("policy"),
+        reference=side("reference"),
+        kl_mean=sum(r["kl"] for r in rows) / n,
+        win_rate=sum(wins) / n,
+        judge=verdicts,
+        samples=rows,
+    )
+
+
+def report_table(report: SentimentEval, n_shown: int) -> str:
+    judge = report.judge
+    head = "| | mean reward | std | p10 | median | p90 | called positive | prompt-corpus words |"
     if judge:
-        report["judge"] = {"model": judge.name}
-        for who in ("policy", "reference"):  # the judge's positive share, and its mean verdict in [-1, 1]
-            report["judge"][who] = sum(r[f"{who}_judge"] > 0 for r in rows) / len(rows)
-            report["judge"][f"{who}_mean"] = sum(r[f"{who}_judge"] for r in rows) / len(rows)
-    report["samples"] = rows
-    return report
+        head += f" judge ({judge.model}): positive |"
 
-
-def report_table(report: dict, n_shown: int) -> str:
-    p, r = report["policy"], report["reference"]
-    judge = report.get("judge")
-    head = "| | mean reward | std | p10 | median | p90 | called positive | corpus words |"
-    if judge:
-        head += f" judge ({judge['model']}): positive |"
-
-    def line(name: str, s: dict, who: str) -> str:
-        cells = [s["mean"], s["std"], s["p10"], s["median"], s["p90"]]
+    def line(name: str, s: ResponseScores, who: str) -> str:
+        cells = [s.mean, s.std, s.p10, s.median, s.p90]
         text = f"| {name} | " + " | ".join(f"{v:.3f}" for v in cells)
-        text += f" | {s['positive_share']:.0%} | {s['corpus_word_share']:.1%} |"
-        return text + (f" {judge[who]:.0%} |" if judge else "")
+        text += f" | {s.positive_share:.0%} | {s.corpus_word_share:.1%} |"
+        return text + (f" {getattr(judge, who):.0%} |" if judge else "")
 
     lines = [
-        f"# Sentiment evaluation ({report['n_prompts']} held-out prompts)",
+        f"# Policy evaluation: adapter on against adapter off ({report.n_prompts} held-out prompts"
+        f"{carved(report.split or '')})",
         "",
         head,
         "|---" * (head.count("|") - 1) + "|",
-        line("policy (adapter on)", p, "policy"),
-        line("reference (adapter off)", r, "reference"),
+        line("policy (adapter on)", report.policy, "policy"),
+        line("reference (adapter off)", report.reference, "reference"),
         "",
-        f"Mean KL(policy || reference) per response: {report['kl_mean']:.3f} nats; the reward model prefers the "
-        f"policy's response on {report['win_rate']:.0%} of the prompts",
+        f"Mean KL(policy || reference) per response: {report.kl_mean:.3f} nats; the reward model prefers the "
+        f"policy's response on {report.win_rate:.0%} of the prompts",
         "",
         "| query | policy | reward | reference | reward |",
         "|---|---|---|---|---|",
     ]
-    for s in report["samples"][:n_shown]:
+    for s in report.samples[:n_shown]:
         cells = [markdown_cell(s[k]) for k in ("query", "policy_response", "reference_response")]
         lines.append(
             f"| {cells[0]} | {cells[1]} | {s['policy_reward']:.2f} | {cells[2]} | {s['reference_reward']:.2f} |"

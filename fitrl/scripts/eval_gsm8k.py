@@ -23,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitrl.artifacts import GSM8KScores, GSM8KSummary, written_by
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
-from fitrl.config import load_run_info, save_run_config
+from fitrl.config import save_run_config
 from fitrl.data import split_name
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
-from fitrl.outputs import check_output_dir, staged_output_dir, write_json
+from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.process import entrypoint
 from fitrl.reward.functions import reward_functions, trl_keywords
 from fitrl.rollout import complete_chats
@@ -72,7 +73,7 @@ def preflight(model_args: Any, data_args: Any, args: Any, demo_args: Any) -> Inp
     reward_funcs = reward_functions(args.reward_funcs)
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     if adapter is not None:  # evaluating an adapter on another base is a silent mistake
-        made_by = load_run_info(adapter).get("stage")  # GRPO's policy, or PPO's on the same problems
+        made_by = written_by(adapter)  # GRPO's policy, or PPO's on the same problems
         producer = made_by if made_by in STAGE.judges else STAGE.reads[1]
         check_adapter_base(adapter, model_args.model_name_or_path, model_path, STAGE.name, args.force, producer)
     problems, skipped = load_problems(data_args, demo_args.demo_assets)
@@ -99,7 +100,7 @@ def load_model(model_args: Any, inputs: Inputs) -> Any:
     return model.eval()
 
 
-def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[str, Any], dict[str, Any] | None]:
+def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], GSM8KScores, GSM8KScores | None]:
     """The completions with the adapter, their scores, and the scores with the adapter off (if asked)."""
     import torch
     from tqdm.auto import tqdm
@@ -120,11 +121,11 @@ def score(model: Any, inputs: Inputs, args: Any) -> tuple[list[list[str]], dict[
                 progress=bar,
             )
 
-    def scored(completions: list[list[str]]) -> dict[str, Any]:
+    def scored(completions: list[list[str]]) -> GSM8KScores:
         found = {**metric.compute(predictions=completions, references=golds), **grade(completions, golds)}
         if inputs.reward_funcs:
             found["rewards"] = reward_means(inputs.reward_funcs, inputs.dataset, completions, inputs.tokenizer)
-        return found
+        return GSM8KScores(**found)
 
     completions = complete("with adapter" if inputs.adapter else "generating")
     scores, base_scores = scored(completions), None
@@ -159,20 +160,20 @@ def main(argv: list[str] | None = None) -> None:
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
         completions, scores, base_scores = score(load_model(model_args, inputs), inputs, args)
         write_completions(out / "completions.jsonl", inputs.dataset, completions)
-        summary = {
-            "model": model_args.model_name_or_path,
-            "adapter": str(inputs.adapter) if inputs.adapter else None,
-            "dataset": data_args.dataset,
-            "split": split_name(data_args.dataset, data_args.dataset_split),
-            "num_fewshot": args.num_fewshot,
-            "problems": len(inputs.dataset),
-            "skipped_non_numeric_gold": len(inputs.skipped),
-            "dropped_long_prompts": inputs.n_too_long,
-            "decoding": "greedy" if args.temperature == 0 else f"sampled, temperature {args.temperature}",
-            **scores,
-            "without_adapter": base_scores,
-        }
-        write_json(out / "summary.json", summary)
+        summary = GSM8KSummary(
+            model=model_args.model_name_or_path,
+            adapter=str(inputs.adapter) if inputs.adapter else None,
+            dataset=data_args.dataset,
+            split=split_name(data_args.dataset, data_args.dataset_split),
+            num_fewshot=args.num_fewshot,
+            problems=len(inputs.dataset),
+            skipped_non_numeric_gold=len(inputs.skipped),
+            dropped_long_prompts=inputs.n_too_long,
+            decoding="greedy" if args.temperature == 0 else f"sampled, temperature {args.temperature}",
+            scores=scores,
+            without_adapter=base_scores,
+        )
+        summary.write(out)
         save_run_config(out, model_args, data_args, args, demo_args)
     print_summary(summary, inputs.skipped, args.output_dir, data_args.max_prompt_length)
 
@@ -195,32 +196,29 @@ def write_completions(path: Path, dataset: Any, completions: list[list[str]]) ->
                 f.write(json.dumps(row) + "\n")
 
 
-def print_summary(summary: dict, skipped: list, output_dir: str, max_prompt_length: int) -> None:
-    k = summary["k"]
-    line = f"GSM8K {summary['split']}: accuracy {summary['accuracy']:.1%}"
+def print_summary(summary: GSM8KSummary, skipped: list, output_dir: str, max_prompt_length: int) -> None:
+    s, k = summary.scores, summary.scores.k
+    line = f"GSM8K {summary.split}: accuracy {s.accuracy:.1%}"
     if k > 1:
-        line += f", pass@{k} {summary['pass_at_k']:.1%}"
-    print(f"{line}, format compliance {summary['format_compliance']:.1%} on {summary['problems']} problems")
+        line += f", pass@{k} {s.pass_at_k:.1%}"
+    print(f"{line}, format compliance {s.format_compliance:.1%} on {summary.problems} problems")
     print(
-        f"  lm-evaluation-harness extractions: strict-match {summary['harness_strict_match']:.1%}, "
-        f"flexible-extract {summary['harness_flexible_extract']:.1%}; failures {summary['failures']}"
+        f"  lm-evaluation-harness extractions: strict-match {s.harness_strict_match:.1%}, "
+        f"flexible-extract {s.harness_flexible_extract:.1%}; failures {s.failures}"
     )
-    if "rewards" in summary:
-        print(
-            "  rewards: "
-            + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in summary["rewards"].items())
-        )
-    base = summary["without_adapter"]
+    if s.rewards is not None:
+        print("  rewards: " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} -" for k, v in s.rewards.items()))
+    base = summary.without_adapter
     if base is not None:
         print(
-            f"  without the adapter: accuracy {base['accuracy']:.1%}, "
-            f"format compliance {base['format_compliance']:.1%}, "
-            f"flexible-extract {base['harness_flexible_extract']:.1%}"
+            f"  without the adapter: accuracy {base.accuracy:.1%}, "
+            f"format compliance {base.format_compliance:.1%}, "
+            f"flexible-extract {base.harness_flexible_extract:.1%}"
         )
     if skipped:
         print(f"skipped {len(skipped)} problems whose gold answer is not a number, e.g. {skipped[0]['gold']!r}")
-    if summary["dropped_long_prompts"]:
-        print(f"dropped {summary['dropped_long_prompts']} prompts longer than {max_prompt_length} tokens")
+    if summary.dropped_long_prompts:
+        print(f"dropped {summary.dropped_long_prompts} prompts longer than {max_prompt_length} tokens")
     print(f"per-example completions in {Path(output_dir) / 'completions.jsonl'}")
 
 

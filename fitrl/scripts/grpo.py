@@ -275,7 +275,7 @@ def heldout_problems(run: Run) -> Any:
 
     off = "guard_heldout_every is 0" if args.guard_heldout_every == 0 else None
     fix = "set guard_heldout_split to a held-out split, or guard_heldout_every 0"
-    return heldout_set(run.health, off, data_args.dataset, load, fix)
+    return heldout_set(run.health, off, load, fix)
 
 
 HELDOUT_STATE = "heldout_guard.json"  # in each checkpoint: the reward-hacking guard's readings so far
@@ -406,18 +406,17 @@ def load_base_and_lora(model_args: Any, lora_args: Any, args: Any, model_path: s
 
 
 def check_enough_problems(n: int, args: GRPOArguments) -> None:
-    """Refuse a data set that fills less than one optimizer step (trl would run 0 steps and exit 0)."""
+    """Refuse a data set that fills less than one optimizer step, before the model loads: trl would run 0
+    steps (and exit 0), or with max_steps find no batch at all."""
     from fitrl.distributed import process_state
 
-    if args.max_steps > 0:
-        return  # trl cycles through the data until max_steps
     completions = args.per_device_train_batch_size * args.gradient_accumulation_steps * process_state().num_processes
     needed = -(-completions // args.num_generations)
     if n < needed:
         raise UsageError(
             f"{n} problems fill less than one optimizer step ({needed} problems x num_generations "
             f"{args.num_generations} = per_device_train_batch_size x gradient_accumulation_steps x processes); "
-            "give more problems, lower gradient_accumulation_steps, or set max_steps"
+            "give more problems, or lower per_device_train_batch_size or gradient_accumulation_steps"
         )
 
 

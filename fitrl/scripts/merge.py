@@ -18,13 +18,15 @@ model card (README.md), `run_config.yaml` and `run_info.json` (peak RSS, time, v
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitrl.artifacts import MergeInfo
 from fitrl.checkpoints import check_adapter_base
-from fitrl.config import UsageError, load_run_config, save_run_config, save_run_info
+from fitrl.config import UsageError, load_run_config, save_run_config
 from fitrl.hub import push_output
 from fitrl.memory import PeakRSS
 from fitrl.merge import (
@@ -79,7 +81,7 @@ def preflight(args: Any, demo_args: Any) -> Inputs:
     return Inputs(adapter_dir, adapter_config, adapter_weights, base_name, base_dir, tokenizer)
 
 
-def merge(args: Any, inputs: Inputs, out: Path) -> dict[str, Any]:
+def merge(args: Any, inputs: Inputs, out: Path) -> MergeInfo:
     """The merged weights (and tokenizer) into `out`; what it took, for run_info.json."""
     start = time.perf_counter()
     with PeakRSS() as rss:
@@ -92,27 +94,25 @@ def merge(args: Any, inputs: Inputs, out: Path) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     if inputs.tokenizer is not None:
         inputs.tokenizer.save_pretrained(out)
-    return {
-        "stage": STAGE.name,
-        "base_model": inputs.base_name,
-        "base_path": str(inputs.base_dir),
-        "adapter_dir": str(inputs.adapter_dir),
-        "method": args.method,
-        "dtype": args.dtype,
-        "adapted_tensors": n_changed,
-        "peak_rss_mb": round(rss.peak_mb, 1),
-        "peak_rss_increase_mb": round(rss.increase_mb, 1),
-        "seconds": round(seconds, 2),
-    }
+    return MergeInfo(
+        stage=STAGE.name,
+        base_model=inputs.base_name,
+        base_path=str(inputs.base_dir),
+        adapter_dir=str(inputs.adapter_dir),
+        method=args.method,
+        dtype=args.dtype,
+        adapted_tensors=n_changed,
+        peak_rss_mb=round(rss.peak_mb, 1),
+        peak_rss_increase_mb=round(rss.increase_mb, 1),
+        seconds=round(seconds, 2),
+    )
 
 
-def verify(args: Any, inputs: Inputs, out: Path, info: dict[str, Any]) -> None:
+def verify(args: Any, inputs: Inputs, out: Path, info: MergeInfo) -> MergeInfo:
     """Merged logits against base + adapter on a few prompts; fails above the tolerance."""
     tolerance = args.verify_tolerance or VERIFY_TOLERANCE[args.dtype]
-    info["verify_max_logit_diff"] = verify_merge(
-        str(inputs.base_dir), inputs.adapter_dir, out, inputs.tokenizer, tolerance
-    )
-    info["verify_tolerance"] = tolerance
+    diff = verify_merge(str(inputs.base_dir), inputs.adapter_dir, out, inputs.tokenizer, tolerance)
+    return dataclasses.replace(info, verify_max_logit_diff=diff, verify_tolerance=tolerance)
 
 
 @entrypoint
@@ -122,37 +122,37 @@ def main(argv: list[str] | None = None) -> None:
     with staged_output_dir(args.output_dir, args.overwrite_output_dir, stage=STAGE.name) as out:
         info = merge(args, inputs, out)
         if args.verify:
-            verify(args, inputs, out, info)
+            info = verify(args, inputs, out, info)
         (out / "README.md").write_text(model_card(info, inputs.adapter_config))
         save_run_config(out, args, demo_args)
-        save_run_info(out, info)
-    verified = f", verified (max logit diff {info['verify_max_logit_diff']:.2g})" if args.verify else ""
+        info.write(out)
+    verified = f", verified (max logit diff {info.verify_max_logit_diff:.2g})" if args.verify else ""
     print(
-        f"merged {info['adapted_tensors']} tensors ({args.method}, {args.dtype}) in {info['seconds']:.1f}s, "
-        f"peak RSS +{info['peak_rss_increase_mb']:.0f} MB{verified} -> {args.output_dir}"
+        f"merged {info.adapted_tensors} tensors ({args.method}, {args.dtype}) in {info.seconds:.1f}s, "
+        f"peak RSS +{info.peak_rss_increase_mb:.0f} MB{verified} -> {args.output_dir}"
     )
     push_output(args, args.output_dir, STAGE.name)
 
 
-def model_card(info: dict[str, Any], adapter_config: dict[str, Any]) -> str:
+def model_card(info: MergeInfo, adapter_config: dict[str, Any]) -> str:
     return f"""---
-base_model: {info["base_model"]}
+base_model: {info.base_model}
 tags: [fitrl, lora-merged]
 ---
 # Merged model
 
-The base model `{info["base_model"]}` with the LoRA adapter from `{info["adapter_dir"]}` folded into its
+The base model `{info.base_model}` with the LoRA adapter from `{info.adapter_dir}` folded into its
 weights by fitrl's `scripts/merge.py`.
 
 | | |
 |---|---|
-| merge method | {info["method"]} |
-| dtype | {info["dtype"]} |
+| merge method | {info.method} |
+| dtype | {info.dtype} |
 | LoRA r / alpha | {adapter_config.get("r")} / {adapter_config.get("lora_alpha")} |
 | rsLoRA scaling | {bool(adapter_config.get("use_rslora"))} |
 | target modules | {adapter_config.get("target_modules")} |
-| adapted tensors | {info["adapted_tensors"]} |
-| peak RSS during merge | {info["peak_rss_mb"]} MB (+{info["peak_rss_increase_mb"]} MB) |
+| adapted tensors | {info.adapted_tensors} |
+| peak RSS during merge | {info.peak_rss_mb} MB (+{info.peak_rss_increase_mb} MB) |
 """
 
 

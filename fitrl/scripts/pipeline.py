@@ -116,6 +116,8 @@ def parse(argv: list[str]) -> Request:
     available = [s.name for s in STAGES if (configs / f"{s.name}.yaml").is_file()]
     if not available:
         raise UsageError(f"profile '{args.profile}' has no stage configs ({configs}/<stage>.yaml)")
+    if args.stages and args.start:
+        raise UsageError("give --stages (or STAGES) or --from, not both: --from runs a stage and every one after it")
     wanted = args.stages or available
     if args.start:
         if args.start not in NAMES:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from fitrl import signals
+from fitrl.artifacts import RunInfo
 from fitrl.checkpoints import checkpoint_root, latest_checkpoint, resume_checkpoint
 from fitrl.config import RunFailed, Terminated, UsageError, config_dict
 from fitrl.demo import DemoArguments
@@ -153,6 +155,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
     )
     if accelerator.is_main_process:
         print(f"PPO: {run.prompt_summary}")
+        note_reward_rendering(reward_args.reward_adapter, queries.chat)
     if prompt_args.prompt_shaping == "whole":
         check_prompt_length(queries.long, queries.rows - queries.short, prompt_args.max_prompt_tokens, run.health,
                             queries.cut)  # fmt: skip
@@ -216,6 +219,20 @@ def build(run: Run) -> None:
         run.accelerator.init_trackers("fitrl-ppo", hparams)
 
 
+def note_reward_rendering(reward_adapter: str | None, chat: bool) -> None:
+    """A reward adapter reads each prompt as rendered (a chat in its template): say so when the rm stage
+    trained on the other kind of pairs, whose scores then come from text it never saw."""
+    info = RunInfo.read(reward_adapter) if reward_adapter else None
+    trained_on_chats = None if info is None else info.details.get("chat_pairs")
+    if trained_on_chats is not None and trained_on_chats != chat:
+        kinds = ("chats in their template", "text pairs") if chat else ("text", "chats in their template")
+        print(
+            f"note: the reward adapter {reward_adapter} reads these prompts as {kinds[0]}, but its rm stage "
+            f"trained on {kinds[1]}; its scores may not mean what its evaluation measured",
+            file=sys.stderr,
+        )
+
+
 def judge_queries(run: Run) -> list[list[int]]:
     """The held-out prompts the reward-hacking guard's judge reads responses to (none: that guard is off)."""
     args, prompt_args, assets = run.args, run.prompt_args, run.demo_args.demo_assets
@@ -229,7 +246,7 @@ def judge_queries(run: Run) -> list[list[int]]:
 
     off = None if args.guard_judge_model else "no guard_judge_model"
     fix = "set guard_judge_split to a held-out split, or leave guard_judge_model empty"
-    return heldout_set(run.health, off, prompt_args.dataset, load, fix) or []
+    return heldout_set(run.health, off, load, fix) or []
 
 
 def judge_reading(run: Run, step: int) -> float:

@@ -21,12 +21,15 @@ accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from fitrl.artifacts import RMEval, to_dict
 from fitrl.checkpoints import checkpoint_root
-from fitrl.config import config_of
+from fitrl.config import RunFailed, config_of
+from fitrl.data import carved, split_name
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.hf_trainer import TrainerRun, quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
@@ -41,11 +44,11 @@ from fitrl.modeling import (
     lora_config,
     unloaded_bitsandbytes_hidden,
 )
-from fitrl.outputs import plot_histograms, staged_output_dir, write_json
+from fitrl.outputs import plot_histograms, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
 from fitrl.reward.adapter import score_texts
-from fitrl.stages.rm import EVAL_FILE, STAGE, RMArguments
+from fitrl.stages.rm import STAGE, RMArguments
 from fitrl.tasks.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
 
 
@@ -122,23 +125,59 @@ def score(model: Any, tokenizer: Any, texts: list[str], batch_size: int) -> torc
     return score_texts(model, tokenizer, texts, batch_size, next(p for p in model.parameters()).device)
 
 
-def evaluate(run: Run) -> dict[str, Any]:
+def evaluate(run: Run) -> RMEval:
     """Held-out pairs: how often the chosen text scores higher, by how much, and every pair's rewards."""
     model = run.trainer.accelerator.unwrap_model(run.trainer.model)
     chosen, rejected = zip(*(pair_texts(row) for row in run.inputs.eval_pairs))
     r_chosen = score(model, run.inputs.tokenizer, list(chosen), run.args.eval_batch_size)
     r_rejected = score(model, run.inputs.tokenizer, list(rejected), run.args.eval_batch_size)
     margins = r_chosen - r_rejected
-    return {
-        "split": run.data_args.eval_split,
-        "n_pairs": len(margins),
-        "accuracy": (margins > 0).float().mean().item(),
-        "margin_mean": margins.mean().item(),
-        "reward_chosen_mean": r_chosen.mean().item(),
-        "reward_rejected_mean": r_rejected.mean().item(),
-        "reward_std": torch.cat([r_chosen, r_rejected]).std().item(),
-        "pairs": [{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())],
-    }
+    return RMEval(
+        split=split_name(run.data_args.dataset, run.data_args.eval_split),
+        n_pairs=len(margins),
+        accuracy=(margins > 0).float().mean().item(),
+        margin_mean=margins.mean().item(),
+        reward_chosen_mean=r_chosen.mean().item(),
+        reward_rejected_mean=r_rejected.mean().item(),
+        reward_std=torch.cat([r_chosen, r_rejected]).std().item(),
+        pairs=[{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())],
+    )
+
+
+# A reloaded reward model scores as the trained one up to float noise; a head or adapter that did not save
+# (a random head, a missing LoRA) is off by orders of magnitude more.
+RELOAD_TOLERANCE = 1e-3
+
+
+def save_reward_model(trainer: Any, out: Path) -> None:
+    """The adapter and its score head (trl's save: adapter_config.json, LoRA and head weights)."""
+    trainer.save_model(str(out))
+
+
+def check_reload(run: Run, model: Any, report: RMEval, out: Path) -> dict[str, Any]:
+    """The saved adapter and head, loaded back from `out` beside the trained ones, must score the held-out
+    pairs as the evaluation did, or nothing is written: a reward model that is not what its figures
+    measured would mislead PPO silently. Returns what it found, for run_info.json."""
+    chosen, rejected = zip(*(pair_texts(row) for row in run.inputs.eval_pairs))
+    evaluated = torch.tensor([[p["chosen"], p["rejected"]] for p in report.pairs])
+    model.load_adapter(str(out), adapter_name="reloaded")
+    try:
+        model.set_adapter("reloaded")
+        reloaded = torch.stack(
+            [score(model, run.inputs.tokenizer, list(texts), run.args.eval_batch_size) for texts in (chosen, rejected)],
+            dim=1,
+        )
+    finally:
+        model.set_adapter("default")
+        model.delete_adapter("reloaded")
+    diff = (reloaded - evaluated).abs().max().item()
+    accuracy = (reloaded[:, 0] > reloaded[:, 1]).float().mean().item()
+    if not diff <= RELOAD_TOLERANCE * (1 + evaluated.abs().max().item()):
+        raise RunFailed(
+            f"the saved reward model does not score as the trained one (held-out accuracy {report.accuracy:.1%} "
+            f"trained, {accuracy:.1%} reloaded; rewards differ by up to {diff:.3g}); nothing was written"
+        )
+    return {"reload_check": {"max_reward_diff": diff, "accuracy": accuracy}}
 
 
 def finish(run: Run) -> None:
@@ -156,7 +195,7 @@ def finish(run: Run) -> None:
         model_path=run.inputs.model_path,
         world_size=trainer.args.world_size,
         trained=get_peft_model_state_dict(model),
-        save_weights=lambda out: trainer.save_model(str(out)),  # adapter_config.json + LoRA and score head
+        save_weights=lambda out: saved(out),
         tokenizer=run.inputs.tokenizer,
         trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         memory=memory_report(run.planned_peak_mb, run.step_peak),
@@ -167,26 +206,32 @@ def finish(run: Run) -> None:
         plot=STAGE.plot,
         title=f"Reward model: {run.model_args.model_name_or_path} on {run.data_args.dataset}",
         summary=(
-            f"reward model done: held-out pair accuracy {report['accuracy']:.1%} on {report['n_pairs']} pairs "
-            f"(mean margin {report['margin_mean']:.2f}); adapter written to {run.args.output_dir}"
+            f"reward model done: held-out pair accuracy {report.accuracy:.1%} on {report.n_pairs} pairs"
+            f"{carved(report.split)} (mean margin {report.margin_mean:.2f}); adapter written to {run.args.output_dir}"
         ),
         details={
             "train_pairs": len(run.inputs.train_pairs),
             "dropped_long_pairs": run.inputs.dropped,
-            "eval": {k: v for k, v in report.items() if k != "pairs"},
+            "chat_pairs": run.inputs.chat,  # PPO warns when its prompts are not what this read
+            "eval": {k: v for k, v in to_dict(report).items() if k != "pairs"},
             "first_loss": losses[0] if losses else None,
         },
     )
+
+    def saved(out: Path) -> None:
+        save_reward_model(trainer, out)
+        end.details.update(check_reload(run, model, report, out))
+
     finish_training(end, run.out, trainer.is_world_process_zero())
     if trainer.is_world_process_zero():
-        write_json(run.out / EVAL_FILE, report)
+        report.write(run.out)
         plot_histograms(
             {
-                "chosen": [p["chosen"] for p in report["pairs"]],
-                "rejected": [p["rejected"] for p in report["pairs"]],
+                "chosen": [p["chosen"] for p in report.pairs],
+                "rejected": [p["rejected"] for p in report.pairs],
             },
             run.out / "rewards_hist.png",
-            f"reward on held-out pairs ({report['split']})",
+            f"reward on held-out pairs ({report.split})",
             "texts",
         )
 

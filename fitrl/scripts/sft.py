@@ -85,7 +85,7 @@ def preflight(configs: tuple[Any, ...]) -> Run:
 def examples(args: SFTArguments, demo_assets: str) -> tuple[Any, bool]:
     """The training examples, and whether they are chats: a `text` column, or a `messages` column of chats
     (each row checked) that trl renders with the chat template."""
-    ds = load_dataset_any(args.dataset, args.dataset_split, demo_assets)
+    ds = load_dataset_any(args.dataset, args.dataset_split, demo_assets, carve=False)
     require_columns(ds, [args.text_column], args.dataset)
     if not check_chats(ds[args.text_column], args.text_column, prompt=False):
         return text_rows(ds, args.dataset, args.text_column, args.max_samples), False

@@ -77,7 +77,8 @@ class Stage:
     memory: StageMemory | None = None  # plannable
     plot: str | None = None
     samples: str | None = None  # a markdown file the report shows
-    # Defaults read from the stage before (its run_config.yaml), under the config file and the flags.
+    # Defaults under the config file and the flags: what the stage before wrote (its run_config.yaml),
+    # an evaluation's held-out split.
     inherited: Callable[[list[str]], dict[str, Any]] | None = None
     # An evaluation several stages run on different policies (PPO's, DPO's): its headline figures as
     # table cells, which the report sets side by side, a row per policy.
@@ -85,10 +86,12 @@ class Stage:
     writes_full_model: bool = False  # a whole model, the size of its base (the merge): the doctor counts its disk
     judges: tuple[str, ...] = ()  # an evaluation: the stages whose policy adapters it takes (`reads`' first)
     # The model card's loading snippet (`fitrl.ending.model_card`): the class the base loads as, the
-    # arguments it takes beyond the base, and what else the output holds.
+    # arguments it takes beyond the base, and what else the output holds; or the whole snippet, a
+    # template of `{base}` (`card_snippet`).
     card_model_class: str = "AutoModelForCausalLM"
     card_model_kwargs: str = ""
     card_notes: tuple[str, ...] = ()
+    card_snippet: str = ""
 
     def producer_of(self, setting: str) -> str | None:
         """The stage whose output `setting` names (`reads`, `reads_if_set`), or None."""

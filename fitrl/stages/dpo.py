@@ -8,12 +8,13 @@ like PPO's by the `eval_dpo` stage, on the same held-out prompts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fitrl.artifacts import DPOEval
 from fitrl.config import check, help_field
+from fitrl.data import carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.stages.base import (
@@ -32,8 +33,6 @@ from fitrl.stages.base import (
 from fitrl.stages.rm import shape_moves
 from fitrl.tasks.preferences import PreferenceArguments
 from fitrl.workload import Step, Workload
-
-EVAL_FILE = "eval.json"
 
 
 @dataclass
@@ -99,11 +98,11 @@ def figures(out: Path) -> list[str]:
     if margins:
         start, end = start_end(margins)
         found.append(f"training reward margin {start:.3f} -> {end:.3f} over {len(margins)} logged steps")
-    if (out / EVAL_FILE).is_file():
-        e = json.loads((out / EVAL_FILE).read_text())
+    e = DPOEval.read(out)
+    if e is not None:
         found.append(
-            f"held-out pairs: implicit-reward accuracy {e['accuracy']:.1%}, margin {e['margin']:.3f} "
-            f"(0 at the start) on {e['n_pairs']} pairs"
+            f"held-out pairs: implicit-reward accuracy {e.accuracy:.1%}, margin {e.margin:.3f} "
+            f"(0 at the start) on {e.n_pairs} pairs{carved(e.split)}"
         )
     return found
 

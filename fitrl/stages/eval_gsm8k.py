@@ -5,11 +5,12 @@ Script: `scripts/eval_gsm8k.py`. Writes `completions.jsonl` and `summary.json`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitrl.artifacts import GSM8KSummary
 from fitrl.config import check, help_field
+from fitrl.data import HELDOUT_SPLIT, carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
 from fitrl.stages.base import Stage
@@ -56,21 +57,19 @@ CONFIG_TYPES = (ModelArguments, GSM8KDataArguments, GSM8KEvalArguments, DemoArgu
 
 
 def figures(out: Path) -> list[str]:
-    path = out / "summary.json"
-    if not path.is_file():
+    summary = GSM8KSummary.read(out)
+    if summary is None:
         return []
-    s = json.loads(path.read_text())
-    base = s.get("without_adapter") or {}
-    line = f"accuracy {s['accuracy']:.1%} with the adapter"
-    if "accuracy" in base:
-        line += f", {base['accuracy']:.1%} without"
-    found = [line + f" ({s['problems']} {s.get('split', '')} problems)"]
-    if "format_compliance" in s:
-        found.append(
-            f"format compliance {s['format_compliance']:.0%}"
-            + (f" (without: {base['format_compliance']:.0%})" if "format_compliance" in base else "")
-        )
-    return found
+    s, base = summary.scores, summary.without_adapter
+    line = f"accuracy {s.accuracy:.1%} with the adapter"
+    if base is not None:
+        line += f", {base.accuracy:.1%} without"
+    problems = f"problems{carved(summary.split)}" if carved(summary.split) else f"{summary.split} problems"
+    return [
+        line + f" ({summary.problems} {problems})",
+        f"format compliance {s.format_compliance:.0%}"
+        + (f" (without: {base.format_compliance:.0%})" if base is not None else ""),
+    ]
 
 
 STAGE = Stage(
@@ -81,4 +80,5 @@ STAGE = Stage(
     output_dir="eval_gsm8k",
     figures=figures,
     reads=("adapter", "grpo"),
+    inherited=lambda argv: {"dataset_split": HELDOUT_SPLIT},  # an evaluation reads held-out problems
 )

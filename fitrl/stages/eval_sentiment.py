@@ -6,11 +6,12 @@ defaults, so it answers prompts the way the policy was trained to. Writes `eval.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitrl.artifacts import SentimentEval
 from fitrl.config import check, help_field, load_run_config, parse_config
+from fitrl.data import HELDOUT_SPLIT, carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
 from fitrl.reward.settings import RewardArguments
@@ -51,53 +52,47 @@ def ppo_settings(argv: list[str]) -> dict:
     """The model, prompt and reward settings the policy's run wrote to its `run_config.yaml`.
 
     The evaluation answers prompts the way the policy was trained to, unless the config or a flag
-    says otherwise; only the split (held-out prompts) and the number of prompts are its own. A DPO run
-    has no prompt or reward settings (its `dataset` holds pairs): only its model settings are taken.
+    says otherwise; only the split (held-out prompts: `test`, unless set) and the number of prompts are
+    its own. A DPO run has no prompt or reward settings (its `dataset` holds pairs): only its model
+    settings are taken.
     """
     eval_args = config_of(parse_config(CONFIG_TYPES, argv), SentimentEvalArguments)
     trained = load_run_config(Path(eval_args.adapter_dir).expanduser())
     inherited = field_names(ModelArguments)
     if "reward_model" in trained:  # a PPO run
         inherited |= field_names(PromptArguments, RewardArguments) - {"dataset_split", "max_prompts"}
-    return {k: v for k, v in trained.items() if k in inherited}
+    return {"dataset_split": HELDOUT_SPLIT} | {k: v for k, v in trained.items() if k in inherited}
 
 
 def figures(out: Path) -> list[str]:
-    path = out / "eval.json"
-    if not path.is_file():
+    e = SentimentEval.read(out)
+    if e is None:
         return []
-    e = json.loads(path.read_text())
+    r, p = e.reference, e.policy
     found = [
-        f"held-out reward {e['reference']['mean']:.2f} (reference) -> {e['policy']['mean']:.2f} (policy) "
-        f"on {e['n_prompts']} prompts",
-        f"KL {e['kl_mean']:.2f} nats" + (f", win rate {e['win_rate']:.0%}" if "win_rate" in e else ""),
+        f"held-out reward {r.mean:.2f} (reference) -> {p.mean:.2f} (policy) on {e.n_prompts} prompts"
+        + carved(e.split or ""),
+        f"KL {e.kl_mean:.2f} nats, win rate {e.win_rate:.0%}",
+        f"called positive by the reward model {r.positive_share:.0%} -> {p.positive_share:.0%}",
+        f"corpus words in responses {r.corpus_word_share:.1%} -> {p.corpus_word_share:.1%}",
     ]
-    if "positive_share" in e["policy"]:
-        r, p = e["reference"], e["policy"]
-        found.append(f"called positive by the reward model {r['positive_share']:.0%} -> {p['positive_share']:.0%}")
-        found.append(f"corpus words in responses {r['corpus_word_share']:.1%} -> {p['corpus_word_share']:.1%}")
-    if "judge" in e:
-        j = e["judge"]
-        found.append(f"positive by the judge ({j.get('model', 'judge')}) {j['reference']:.0%} -> {j['policy']:.0%}")
+    if e.judge is not None:
+        found.append(f"positive by the judge ({e.judge.model}) {e.judge.reference:.0%} -> {e.judge.policy:.0%}")
     return found
 
 
 def side_by_side(out: Path) -> dict[str, str]:
     """The figures that say which policy moved the judge more, at what KL."""
-    path = out / "eval.json"
-    if not path.is_file():
+    e = SentimentEval.read(out)
+    if e is None:
         return {}
-    e = json.loads(path.read_text())
     cells = {}
-    if "judge" in e:
-        cells[f"judge ({e['judge'].get('model', 'judge')}): positive"] = (
-            f"{e['judge']['reference']:.0%} -> {e['judge']['policy']:.0%}"
-        )
-    cells["reward model: positive"] = f"{e['reference']['positive_share']:.0%} -> {e['policy']['positive_share']:.0%}"
-    cells["corpus words"] = f"{e['policy']['corpus_word_share']:.1%}"
-    cells["KL (nats)"] = f"{e['kl_mean']:.2f}"
-    if "win_rate" in e:
-        cells["win rate"] = f"{e['win_rate']:.0%}"
+    if e.judge is not None:
+        cells[f"judge ({e.judge.model}): positive"] = f"{e.judge.reference:.0%} -> {e.judge.policy:.0%}"
+    cells["reward model: positive"] = f"{e.reference.positive_share:.0%} -> {e.policy.positive_share:.0%}"
+    cells["corpus words"] = f"{e.policy.corpus_word_share:.1%}"
+    cells["KL (nats)"] = f"{e.kl_mean:.2f}"
+    cells["win rate"] = f"{e.win_rate:.0%}"
     return cells
 
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.config import check, help_field, load_run_info
+from fitrl.artifacts import MergeInfo
+from fitrl.config import check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.hub import HubSettings
 from fitrl.stages.base import Stage
@@ -42,13 +43,13 @@ CONFIG_TYPES = (MergeArguments, DemoArguments)
 
 
 def figures(out: Path) -> list[str]:
-    info = load_run_info(out)
-    found = []
-    if "peak_rss_mb" in info:
-        found.append(f"peak RAM {info['peak_rss_mb']:.0f} MB ({info.get('method', '?')} merge)")
-    if info.get("verify_max_logit_diff") is not None:
-        ok = info["verify_max_logit_diff"] <= info.get("verify_tolerance", float("inf"))
-        found.append(f"verified: max logit difference {info['verify_max_logit_diff']:.2e} ({'ok' if ok else 'FAILED'})")
+    info = MergeInfo.read(out)
+    if info is None:
+        return []
+    found = [f"peak RAM {info.peak_rss_mb:.0f} MB ({info.method} merge)"]
+    if info.verify_max_logit_diff is not None:
+        ok = info.verify_max_logit_diff <= (info.verify_tolerance or float("inf"))
+        found.append(f"verified: max logit difference {info.verify_max_logit_diff:.2e} ({'ok' if ok else 'FAILED'})")
     return found
 
 

@@ -8,11 +8,12 @@ checkpoints `checkpoint-N` (trl's). PPO can score with it on its own backbone (`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from fitrl.artifacts import RMEval
 from fitrl.config import check, help_field
+from fitrl.data import carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.stages.base import (
@@ -29,8 +30,6 @@ from fitrl.stages.base import (
 )
 from fitrl.tasks.preferences import PreferenceArguments
 from fitrl.workload import Step, Workload
-
-EVAL_FILE = "eval.json"
 
 
 @dataclass
@@ -89,18 +88,42 @@ def figures(out: Path) -> list[str]:
     losses = series(metrics_rows(out), "loss")
     if losses:
         found.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} logged steps")
-    if (out / EVAL_FILE).is_file():
-        e = json.loads((out / EVAL_FILE).read_text())
+    e = RMEval.read(out)
+    if e is not None:
         found.append(
-            f"held-out pair accuracy {e['accuracy']:.1%} on {e['n_pairs']} pairs, mean margin {e['margin_mean']:.2f}"
+            f"held-out pair accuracy {e.accuracy:.1%} on {e.n_pairs} pairs{carved(e.split)}, mean margin "
+            f"{e.margin_mean:.2f}"
         )
     return found
+
+
+# How to score as fitrl scores (`fitrl.reward.adapter.score_texts`) outside fitrl: the tokenizer's pad
+# token for batches, and EOS appended to every text, as the stage trained on them.
+CARD_SNIPPET = """import torch
+from peft import PeftModel
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+adapter = "<this folder or its hub id>"
+tokenizer = AutoTokenizer.from_pretrained(adapter)  # with the pad token the stage batched with
+base = AutoModelForSequenceClassification.from_pretrained(
+    "{base}", num_labels=1, pad_token_id=tokenizer.pad_token_id
+)
+model = PeftModel.from_pretrained(base, adapter).eval()
+
+# fitrl scores a text as this stage trained on it: EOS appended, right-padded, the head at the last token
+texts = ["The acting was superb.", "The plot was dull."]
+eos = tokenizer.eos_token
+batch = tokenizer([t if t.endswith(eos) else t + eos for t in texts], padding=True, padding_side="right",
+                  return_tensors="pt")
+with torch.no_grad():
+    rewards = model(**batch).logits[:, 0]"""
 
 
 STAGE = Stage(
     name="rm",
     card_model_class="AutoModelForSequenceClassification",
     card_model_kwargs=", num_labels=1",
+    card_snippet=CARD_SNIPPET,
     module="fitrl.scripts.rm",
     config_types=CONFIG_TYPES,
     output_dir="rm",

@@ -4,6 +4,12 @@ continuation, and optionally a margin (how much better the chosen one is).
 From a hub id, local files or `demo://preferences`. Every pair is checked before a model loads: the
 columns exist, no text is empty, chosen and rejected differ, and the pair fits `max_length` tokens.
 A bad row is one line naming the file's row and the fix.
+
+Pairs in trl's conversational format (`prompt`, `chosen`, `rejected` as lists of messages, or chosen
+and rejected as whole chats that share their prompt turns) are rendered with the tokenizer's chat
+template (or the plain one), as trl renders them: the prompt up to the assistant's cue, each answer the
+rest of its rendered chat. Both stages then read the same texts, and the rm stage's evaluation and PPO's
+reward adapter score them as trained.
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fitrl.config import UsageError, check, config_dict, config_of, help_field
+from fitrl.chat import check_chat, is_chat, render_prompt_chat, use_chat_template
+from fitrl.config import UsageError, check, config_dict, config_of, first_line, help_field
 from fitrl.data import check_columns, load_dataset_any
+
+TEXT_KEYS = ("prompt", "chosen", "rejected")
 
 
 @dataclass
@@ -66,9 +75,10 @@ def _bad_row(source: str, index: int, problem: str, fix: str) -> UsageError:
 
 
 def check_pairs(rows: list[dict[str, Any]], source: str) -> None:
-    """Refuse the first pair a reward model or DPO cannot learn from, naming its row."""
+    """Refuse the first pair a reward model or DPO cannot learn from, naming its row (pairs of text; chats
+    are checked by `check_chat_pairs` and rendered first)."""
     for i, row in enumerate(rows):
-        for key in [k for k in ("prompt", "chosen", "rejected") if k in row]:
+        for key in [k for k in TEXT_KEYS if k in row]:
             value = row[key]
             if not (isinstance(value, str) and value.strip()):
                 what = "empty" if value is None or isinstance(value, str) else f"not text ({type(value).__name__})"
@@ -87,12 +97,61 @@ def load_pairs(args: PreferenceArguments, split: str, demo_assets: str, max_samp
     check_columns(ds.column_names, list(args.columns.values()), args.dataset, fix)
     if len(ds) == 0:
         raise UsageError(f"dataset {args.dataset} split '{split}' has no pairs")
+    if not args.prompt_column and "prompt" in ds.column_names and is_chat(ds[0][args.chosen_column]):
+        raise UsageError(
+            f"dataset {args.dataset} has a 'prompt' column beside chats, which prompt_column leaves out; "
+            "set prompt_column: prompt"
+        )
     ds = ds.select_columns(list(args.columns.values()))
     ds = ds.rename_columns({theirs: ours for ours, theirs in args.columns.items() if theirs != ours})
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
-    check_pairs(ds.to_list(), args.dataset)
+    rows = ds.to_list()
+    if any(is_chat(row.get(key)) for row in rows for key in TEXT_KEYS):
+        check_chat_pairs(rows, args.dataset)
+    else:
+        check_pairs(rows, args.dataset)
     return ds
+
+
+def check_chat_pairs(rows: list[dict[str, Any]], source: str) -> None:
+    """Conversational pairs: every value a chat, the prompt ending before the assistant's turn, the
+    answers differing; without a prompt, chosen and rejected share every turn but their last."""
+    for i, row in enumerate(rows):
+        for key in [k for k in TEXT_KEYS if k in row]:
+            if not is_chat(row[key]):
+                raise _bad_row(source, i, f"'{key}' is not a chat while other rows are", "give every pair as chats")
+            check_chat(row[key], key, i, prompt=key == "prompt")
+        if "prompt" not in row and row["chosen"][:-1] != row["rejected"][:-1]:
+            raise _bad_row(
+                source, i, "chosen and rejected differ before their last turn", "give the shared turns as 'prompt'"
+            )
+        if row["chosen"] == row["rejected"]:
+            raise _bad_row(source, i, "chosen and rejected are the same chat", "a pair must differ; remove the row")
+
+
+def render_chat_pairs(ds: Any, tokenizer: Any, source: str) -> Any:
+    """Conversational pairs as text pairs, rendered as trl renders them: the prompt (the shared turns)
+    up to the assistant's cue, each answer the rest of its whole chat rendered."""
+
+    def render(row: dict[str, Any], index: int) -> dict[str, Any]:
+        prompt = row.get("prompt") or row["chosen"][:-1]
+        cue = render_prompt_chat(tokenizer, prompt, "prompt", index) if prompt else ""
+        out = {"prompt": cue}
+        for key in ("chosen", "rejected"):
+            turns = (row["prompt"] + row[key]) if row.get("prompt") else row[key]
+            try:
+                whole = tokenizer.apply_chat_template(turns, tokenize=False)
+            except Exception as e:  # the template's own raise_exception, or a Jinja error
+                raise _bad_row(source, index, f"'{key}' does not render with the chat template: {first_line(e)}",
+                               "fix the chat or the template") from None  # fmt: skip
+            if not whole.startswith(cue):
+                raise _bad_row(source, index, f"the rendered '{key}' does not begin with its rendered prompt",
+                               "use a chat template that renders a prompt as the start of its chat")  # fmt: skip
+            out[key] = whole[len(cue) :]
+        return out
+
+    return ds.map(render, with_indices=True, remove_columns=[k for k in TEXT_KEYS if k in ds.column_names])
 
 
 def pair_texts(row: dict[str, Any]) -> tuple[str, str]:
@@ -113,15 +172,21 @@ def drop_long_pairs(ds: Any, tokenizer: Any, max_length: int, source: str) -> tu
     return kept, len(ds) - len(kept)
 
 
-def train_and_eval_pairs(args: PreferenceArguments, tokenizer: Any, demo_assets: str) -> tuple[Any, Any, int]:
-    """The training and held-out pairs that fit `max_length`, and how many training pairs did not (said once)."""
+def train_and_eval_pairs(args: PreferenceArguments, tokenizer: Any, demo_assets: str) -> tuple[Any, Any, int, bool]:
+    """The training and held-out pairs that fit `max_length`, how many training pairs did not (said once),
+    and whether they were chats (rendered in the chat template)."""
     train = load_pairs(args, args.dataset_split, demo_assets, args.max_samples)
-    train, dropped = drop_long_pairs(train, tokenizer, args.max_length, args.dataset)
     held_out = load_pairs(args, args.eval_split, demo_assets, args.max_eval_samples)
+    chat = is_chat(train[0]["chosen"]) or is_chat(held_out[0]["chosen"])
+    if chat:
+        if use_chat_template(tokenizer, None):
+            print(f"note: the tokenizer has no chat template; {args.dataset}'s chats use fitrl's plain one")
+        train, held_out = (render_chat_pairs(ds, tokenizer, args.dataset) for ds in (train, held_out))
+    train, dropped = drop_long_pairs(train, tokenizer, args.max_length, args.dataset)
     held_out, _ = drop_long_pairs(held_out, tokenizer, args.max_length, args.dataset)
     if dropped:
         print(f"dropped {dropped} of {dropped + len(train)} training pairs longer than max_length ({args.max_length})")
-    return train, held_out, dropped
+    return train, held_out, dropped, chat
 
 
 @dataclass
@@ -135,6 +200,7 @@ class PairInputs:
     dropped: int  # training pairs longer than max_length
     resume: str | None  # the checkpoint to continue from
     checkpoints_existed: bool
+    chat: bool  # conversational pairs, rendered in the chat template
 
 
 def pair_inputs(configs: Sequence[Any], args: Any, checkpoint_prefix: str, what: str) -> PairInputs:
@@ -156,5 +222,5 @@ def pair_inputs(configs: Sequence[Any], args: Any, checkpoint_prefix: str, what:
     existed = checkpoint_root(args.output_dir).exists()
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     tokenizer = load_tokenizer(model_path, model_args.trust_remote_code)
-    train, held_out, dropped = train_and_eval_pairs(data_args, tokenizer, demo_args.demo_assets)
-    return PairInputs(model_path, tokenizer, train, held_out, dropped, str(resume) if resume else None, existed)
+    train, held_out, dropped, chat = train_and_eval_pairs(data_args, tokenizer, demo_args.demo_assets)
+    return PairInputs(model_path, tokenizer, train, held_out, dropped, str(resume) if resume else None, existed, chat)
