@@ -278,6 +278,8 @@ class RMEval(PairEval):
     reward_rejected_mean: float
     reward_std: float | None  # None (null in the file) for one pair
     pairs: list[dict[str, float]] = field(default_factory=list)
+    # How far sigmoid(reward difference) is from how often the labelled text wins (`calibration.png`)
+    calibration_error: float | None = field(default=None, metadata=OMIT_NONE)
 
 
 @dataclass(frozen=True)

@@ -128,11 +128,11 @@ def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_ru
         "sft": every,
         "rm": every,
         "dpo": every | {"reference"},
-        "ppo": every | policy | {"reward_tokenizer", "reference", "kl", "clipping", "prompt_length"},
+        "ppo": every | policy | {"reward_tokenizer", "reference", "kl", "clipping", "prompt_length", "reward_probes"},
         # GRPO's kl and reference need beta > 0: the demo's is 0
         "grpo": every
         | policy
-        | {"format_only", "template", "prompt_length", "stop_token", "length", "learning_signal"},
+        | {"format_only", "template", "prompt_length", "stop_token", "length", "learning_signal", "reward_probes"},
     }
     report = (demo_run / "report.md").read_text()
     for name, guards in expected.items():

@@ -208,6 +208,7 @@ def test_a_constant_reward_is_named_by_its_guard_and_strict_guards_stop_the_run(
         "clipping": True,
         "repetition": True,
         "prompt_length": True,  # the demo's prefix shaping: no prompt over the limit
+        "reward_probes": True,  # a constant reward pays no probe more than the references
     }, health
     stopped = _ppo(tmp_path / "strict", demo_assets, *SMALL, "--steps", "2", "--reward_model", constant,
                    "--strict_guards", "true")  # fmt: skip
@@ -241,6 +242,35 @@ def test_a_reward_at_odds_with_the_judge_trips_the_reward_hacking_guard(tmp_path
     assert health["reward_tokenizer"]["passed"] and health["repetition"]["passed"]
     readings = [r["heldout/judge_mean"] for r in read_jsonl(out / "metrics.jsonl") if "heldout/judge_mean" in r]
     assert len(readings) == 3 and min(readings[1:]) <= readings[0] - 0.1
+
+
+# A reward that pays for repeating a word: the pre-flight's `repeat` probe wins it every time.
+PAYS_REPEATS = """
+def pays_repeats(completions, **kwargs):
+    return [len(t.split()) - len(set(t.split())) for t in completions]
+"""
+
+
+def test_a_reward_function_paying_for_a_repeated_word_is_flagged_before_training(
+    tmp_path: Path, demo_assets: Path
+) -> None:
+    """The reward pre-flight (`fitrl.reward.probes`) scores degenerate completions beside the reference's
+    own before the first update: the repeated word outscores the median reference completion on every
+    prompt, so the guard fires at step 0; with `--strict_guards true` nothing trains or is written."""
+    (tmp_path / "mine.py").write_text(PAYS_REPEATS)
+    function = f"{tmp_path / 'mine.py'}:pays_repeats"
+    out = tmp_path / "run"
+    result = _ppo(out, demo_assets, *SMALL, "--steps", "1", "--reward_function", function, "--guard_judge_model", "")
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = load_run_info(out)
+    assert info["health"]["reward_probes"]["passed"] is False
+    assert "repeat 100%" in info["health"]["reward_probes"]["saw"]
+    kinds = info["reward_probes"]["kinds"]
+    assert kinds["repeat"]["share_above_median"] == 1.0 and kinds["empty"]["share_above_median"] == 0.0
+    stopped = _ppo(tmp_path / "strict", demo_assets, *SMALL, "--steps", "1", "--reward_function", function,
+                   "--guard_judge_model", "", "--strict_guards", "true")  # fmt: skip
+    assert stopped.returncode == 1 and "guard 'reward_probes' at step 0: degenerate completions" in error_line(stopped)
+    assert not (tmp_path / "strict").exists()
 
 
 # A reward a user writes in a file of their own, in trl's convention: one number per completion.

@@ -140,3 +140,16 @@ def test_a_conversational_pair_a_stage_cannot_learn_from_is_one_line(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert code == 2 and len(errors) == 1 and message in errors[0], (code, errors)
     assert not out.exists()
+
+
+def test_the_reward_models_calibration_against_hand_computed_values() -> None:
+    """sigmoid(reward difference) against how often the labelled text wins, each pair in both orders."""
+    import math
+
+    from fitrl.scripts.rm import calibration
+
+    rows, error = calibration([{"chosen": 0.0, "rejected": 0.0}])  # 0.5 said, won once of twice: calibrated
+    assert rows == [(0.5, 0.5, 2)] and error == 0.0
+    rows, error = calibration([{"chosen": math.log(3), "rejected": 0.0}])  # 0.75 said, won every time
+    assert [(round(q, 6), y, n) for q, y, n in rows] == [(0.25, 0.0, 1), (0.75, 1.0, 1)]
+    assert error == pytest.approx(0.25)

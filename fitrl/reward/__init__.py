@@ -5,5 +5,6 @@
 - `classifier`: a sequence classifier (hub id, local dir, `demo://classifier`);
 - `adapter`: an rm stage's adapter, on the policy's own backbone or its own copy of its base;
 - `functions`: a Python function, by registry name or `module:function` (GRPO's reward functions too);
-- `factory`: `check_reward` and `load_reward`, which decide the kind once.
+- `factory`: `check_reward` and `load_reward`, which decide the kind once;
+- `probes`: the reward pre-flight, degenerate completions scored beside the reference's own.
 """

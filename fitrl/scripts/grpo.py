@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import UsageError, config_dict, first_line
 from fitrl.demo import DemoArguments
@@ -63,7 +65,8 @@ from fitrl.modeling import (
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
-from fitrl.reward.functions import Checked, format_only, reward_functions
+from fitrl.reward import probes
+from fitrl.reward.functions import Checked, format_only, reward_functions, trl_keywords
 from fitrl.rollout import complete_chats
 from fitrl.stages.grpo import REPETITION_KEY, STAGE, GRPOArguments, monitors
 from fitrl.tasks.answer_format import ensure_chat_template, render_prompt
@@ -182,6 +185,9 @@ def build(run: Run) -> None:
     run.samples_before = [
         c[0] for c in complete_chats(model, run.tokenizer, run.shown["prompt"], args.max_completion_length)
     ]
+    found = reward_preflight(run, model)
+    if found is not None:
+        run.details[probes.DETAILS_KEY] = found
     run.metrics = start_metrics(run.out, run.is_main, run.resume)
     set_seed(args.seed)  # the trainer builds the LoRA adapter from `peft_config`: seed its init
     run.trainer = GRPOTrainer(
@@ -260,6 +266,37 @@ def log_repetition(completion_ids: list[list[int]], log_metric: Any, health: Hea
         value = repetition(completion_ids)
     if value == value:  # NaN: no completion long enough to repeat itself
         log_metric(REPETITION_KEY, value)
+
+
+def reward_preflight(run: Run, model: Any) -> dict[str, Any] | None:
+    """The reward pre-flight (`fitrl.reward.probes`): the model's greedy completions to the first
+    `guard_probe_prompts` problems beside degenerate ones, scored by the weighted reward functions as trl
+    sums them (None as 0), before the first update; the run's random streams left as they were."""
+    args, health = run.args, run.health
+    if args.guard_probe_prompts == 0 or run.resume is not None:
+        health.not_run(probes.GUARD, "guard_probe_prompts is 0" if args.guard_probe_prompts == 0 else "resumed")
+        return None
+    rows = run.dataset.select(range(min(args.guard_probe_prompts, len(run.dataset))))
+    weights = args.reward_weights or [1.0] * len(run.reward_funcs)
+    columns = {k: rows[k] for k in rows.column_names if k != "prompt"}
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))), health.timed():
+        references = [c[0] for c in complete_chats(model, run.tokenizer, rows["prompt"], args.max_completion_length)]
+
+        def score(indices: list[int], texts: list[str]) -> list[float]:
+            chats = [[{"role": "assistant", "content": t}] for t in texts]
+            ids = [run.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+            keywords = trl_keywords([rows["prompt"][i] for i in indices], ids)
+            cols = {k: [v[i] for i in indices] for k, v in columns.items()}
+            totals = [0.0] * len(texts)
+            for weight, function in zip(weights, run.reward_funcs):
+                for j, value in enumerate(function(chats, **keywords, **cols)):
+                    totals[j] += weight * (value or 0.0)
+            return totals
+
+        answer_format = "<answer>" in (run.data_args.system_prompt or "")
+        found = probes.run_probes(score, rows["question"], references, False, answer_format)
+    probes.check_probes(found, health, args.guard_probe_max)
+    return found.to_json()
 
 
 def heldout_problems(run: Run) -> Any:

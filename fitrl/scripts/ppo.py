@@ -53,9 +53,10 @@ from fitrl.ppo import metrics
 from fitrl.ppo.step import PolicyAndValue
 from fitrl.ppo.trainer import PPOTrainer, Prompts, Sampling
 from fitrl.process import entrypoint
+from fitrl.reward import probes
 from fitrl.reward.factory import check_reward, load_reward
 from fitrl.reward.settings import RewardArguments
-from fitrl.rollout import decode
+from fitrl.rollout import decode, rendered_queries
 from fitrl.stages.base import start_end
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
 from fitrl.tasks.sentiment import PromptArguments, SentimentJudge, build_queries, check_judge
@@ -88,6 +89,7 @@ class Run:
     judge: SentimentJudge | None = None  # the reward-hacking guard's second opinion (guard_judge_model)
     judge_queries: list[list[int]] = dataclasses.field(default_factory=list)  # its held-out prompts
     hacking: HackingGuard | None = None
+    probes: dict[str, Any] | None = None  # what the reward pre-flight found (`fitrl.reward.probes`)
 
     @property
     def device(self) -> torch.device:
@@ -249,6 +251,35 @@ def judge_queries(run: Run) -> list[list[int]]:
     return heldout_set(run.health, off, load, fix) or []
 
 
+def reward_preflight(run: Run) -> dict[str, Any] | None:
+    """The reward pre-flight (`fitrl.reward.probes`) on the first `guard_probe_prompts` prompts before
+    the first update, the policy being its reference; the run's random stream is left as it was, so the
+    run trains as it would without it."""
+    args, trainer, health = run.args, run.trainer, run.health
+    if args.guard_probe_prompts == 0 or trainer.start_step > 0:
+        health.not_run(probes.GUARD, "guard_probe_prompts is 0" if args.guard_probe_prompts == 0 else "resumed")
+        return None
+    n = min(args.guard_probe_prompts, len(run.prompts))
+    cuda = list(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=cuda), health.timed():
+        torch.manual_seed(args.seed)
+        queries, columns = run.prompts.select(range(n))
+        rollouts = trainer.sample(queries, trainer.draw_lengths(n))
+        decoded = [decode(run.tokenizer, r) for r in rollouts]
+        q_texts, r_texts = [q for qs, _ in decoded for q in qs], [t for _, ts in decoded for t in ts]
+        read = [q for r in rollouts for q in rendered_queries(run.tokenizer, r)] if trainer.reward.rendered else q_texts
+
+        def score(indices: list[int], texts: list[str]) -> list[float]:
+            cols = {k: [v[i] for i in indices] for k, v in columns.items()}
+            cols["completion_ids"] = [run.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+            return trainer.reward.score([read[i] for i in indices], texts, cols)[0].tolist()
+
+        answer_format = "<answer>" in (run.prompt_args.system_prompt or "")
+        found = probes.run_probes(score, q_texts, r_texts, bool(run.reward_args.reward_adapter), answer_format)
+    probes.check_probes(found, health, args.guard_probe_max)
+    return found.to_json()
+
+
 def judge_reading(run: Run, step: int) -> float:
     """The judge's mean verdict on the policy's responses to the held-out prompts: the same prompts,
     lengths and sampling seed at every reading, so only the policy changes between them."""
@@ -320,6 +351,7 @@ def finish(run: Run) -> None:
             "rank_first_prompts": rank_prompts,
             "frozen_base_digest": run.frozen_digest,
             "frozen_base_verified": run.frozen_digest is not None,
+            **({probes.DETAILS_KEY: run.probes} if run.probes is not None else {}),
         },
         samples=(
             STAGE.samples,
@@ -340,6 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = run.trainer
         if run.resume is not None:
             trainer.load(run.resume)
+        run.probes = reward_preflight(run)
         bar = tqdm(
             range(trainer.start_step, args.steps),
             desc="PPO",

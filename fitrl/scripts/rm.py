@@ -14,8 +14,9 @@ score with it without loading a second model.
     accelerate launch scripts/rm.py --config configs/neox20b-24gb/rm.yaml --resume_from_checkpoint latest
 
 Writes to `output_dir`: the adapter with the score head, the tokenizer, `eval.json` (held-out pair
-accuracy, reward margins, per-pair rewards), `rewards_hist.png`, `run_config.yaml`, `run_info.json`,
-`metrics.jsonl`, `loss.png`. Checkpoints (`save_steps`) go to `<output_dir>.checkpoints/`.
+accuracy, reward margins, per-pair rewards, calibration error), `rewards_hist.png`, `calibration.png`,
+`run_config.yaml`, `run_info.json` (with the reload check), `metrics.jsonl`, `loss.png`. Checkpoints
+(`save_steps`) go to `<output_dir>.checkpoints/`.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def evaluate(run: Run) -> RMEval:
     r_chosen = score(model, run.inputs.tokenizer, list(chosen), run.args.eval_batch_size)
     r_rejected = score(model, run.inputs.tokenizer, list(rejected), run.args.eval_batch_size)
     margins = r_chosen - r_rejected
+    pairs = [{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())]
     return RMEval(
         split=split_name(run.data_args.dataset, run.data_args.eval_split),
         n_pairs=len(margins),
@@ -140,13 +142,51 @@ def evaluate(run: Run) -> RMEval:
         reward_chosen_mean=r_chosen.mean().item(),
         reward_rejected_mean=r_rejected.mean().item(),
         reward_std=torch.cat([r_chosen, r_rejected]).std().item(),
-        pairs=[{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())],
+        pairs=pairs,
+        calibration_error=calibration(pairs)[1],
     )
 
 
 # A reloaded reward model scores as the trained one up to float noise; a head or adapter that did not save
 # (a random head, a missing LoRA) is off by orders of magnitude more.
 RELOAD_TOLERANCE = 1e-3
+
+
+def calibration(pairs: list[dict[str, float]], bins: int = 10) -> tuple[list[tuple[float, float, int]], float]:
+    """How well the Bradley-Terry probability the reward model implies, sigmoid(r_chosen - r_rejected),
+    matches how often the labelled text wins: each pair counted in both orders, grouped in `bins` by that
+    probability. Per non-empty bin (mean probability, share won, pairs), and the expected calibration
+    error (the bins' gaps weighted by their pairs)."""
+    import math
+
+    seen = []
+    for p in pairs:
+        won = 1 / (1 + math.exp(-(p["chosen"] - p["rejected"])))
+        seen += [(won, 1.0), (1 - won, 0.0)]
+    rows = []
+    for b in range(bins):
+        inside = [(q, y) for q, y in seen if b / bins <= q < (b + 1) / bins or (b == bins - 1 and q == 1.0)]
+        if inside:
+            rows.append((sum(q for q, _ in inside) / len(inside), sum(y for _, y in inside) / len(inside), len(inside)))
+    error = sum(abs(q - y) * n for q, y, n in rows) / len(seen)
+    return rows, error
+
+
+def plot_calibration(rows: list[tuple[float, float, int]], error: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 4))
+    ax.plot([0, 1], [0, 1], color="grey", linestyle="--", label="calibrated")
+    ax.plot([q for q, _, _ in rows], [y for _, y, _ in rows], marker="o", label=f"reward model (ECE {error:.3f})")
+    ax.set_xlabel("sigmoid(reward difference)")
+    ax.set_ylabel("share the labelled text won")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def save_reward_model(trainer: Any, out: Path) -> None:
@@ -234,6 +274,7 @@ def finish(run: Run) -> None:
             f"reward on held-out pairs ({report.split})",
             "texts",
         )
+        plot_calibration(*calibration(report.pairs), run.out / "calibration.png")
 
 
 @entrypoint

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fitrl.artifacts import RunInfo
 from fitrl.config import UsageError, check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.guards import Limit
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
+from fitrl.reward import probes
 from fitrl.reward.functions import DEFAULT_REWARDS
 from fitrl.stages.base import (
     Configs,
@@ -90,6 +92,15 @@ class GRPOArguments(TrainerSettings):
     guard_truncated_max: float = help_field(
         0.95, "Guard: the share of completions cut at max_completion_length above this for 5 logged steps (1: off)."
     )
+    guard_probe_prompts: int = help_field(
+        16,
+        "Guard (reward pre-flight): before the first update, degenerate completions to this many problems "
+        "(empty, echoed, repeated, cut, rambling, the bare answer) are scored beside the model's own (0: off).",
+    )
+    guard_probe_max: float = help_field(
+        probes.MAX_SHARE,
+        "Guard: a probe kind scored above the median reference completion more often than this share.",
+    )
     guard_heldout_every: int = help_field(
         50, "Guard (reward hacking): grade held-out problems greedily every this many steps and at the start (0: off)."
     )
@@ -120,6 +131,8 @@ class GRPOArguments(TrainerSettings):
         check(0 <= self.guard_length_floor < 1, "guard_length_floor", "in [0, 1)")
         check(self.guard_heldout_every >= 0, "guard_heldout_every", ">= 0 (0: off)")
         check(self.guard_heldout_problems >= 1, "guard_heldout_problems", ">= 1")
+        check(self.guard_probe_prompts >= 0, "guard_probe_prompts", ">= 0")
+        check(0 < self.guard_probe_max <= 1, "guard_probe_max", "in (0, 1]")
         check(0 < self.guard_heldout_drop <= 1, "guard_heldout_drop", "in (0, 1]")
         check(len(self.reward_funcs) >= 1, "reward_funcs", "at least one reward")
         if self.reward_weights is not None:
@@ -214,7 +227,8 @@ def figures(out: Path) -> list[str]:
     if accuracy:
         a0, a1 = start_end(accuracy)
         found.append(f"accuracy reward {a0:.3f} -> {a1:.3f}")
-    return found
+    info = RunInfo.read(out)
+    return found + (probes.figures(info.details) if info is not None else [])
 
 
 STAGE = Stage(

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fitrl.artifacts import RunInfo
 from fitrl.config import check, check_tracker, help_field
 from fitrl.demo import DemoArguments
 from fitrl.guards import Limit
 from fitrl.hub import HubSettings
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.ppo import metrics
+from fitrl.reward import probes
 from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import generation_batch
 from fitrl.stages.base import (
@@ -107,6 +109,15 @@ class PPOArguments(HubSettings):
     guard_judge_every: int = help_field(20, "Steps between the judge's readings.")
     guard_judge_prompts: int = help_field(32, "Held-out prompts the judge reads responses to.")
     guard_judge_split: str = help_field("test", "The prompt dataset's split those prompts come from.")
+    guard_probe_prompts: int = help_field(
+        16,
+        "Guard (reward pre-flight): before the first update, degenerate completions to this many prompts "
+        "(empty, echoed, repeated, cut, rambling, negated) are scored beside the reference's own (0: off).",
+    )
+    guard_probe_max: float = help_field(
+        probes.MAX_SHARE,
+        "Guard: a probe kind scored above the median reference completion more often than this share.",
+    )
     guard_judge_drop: float = help_field(
         0.2,
         "Guard: the judge's mean verdict (+1 positive, 0 neutral, -1 negative) this far below its first "
@@ -122,6 +133,8 @@ class PPOArguments(HubSettings):
         check(0 < self.guard_repetition_max <= 1, "guard_repetition_max", "in (0, 1]")
         check(self.guard_judge_every >= 1, "guard_judge_every", ">= 1")
         check(self.guard_judge_prompts >= 1, "guard_judge_prompts", ">= 1")
+        check(self.guard_probe_prompts >= 0, "guard_probe_prompts", ">= 0")
+        check(0 < self.guard_probe_max <= 1, "guard_probe_max", "in (0, 1]")
         check(0 < self.guard_judge_drop <= 2, "guard_judge_drop", "in (0, 2]")
         for key in [
             "steps",
@@ -245,7 +258,9 @@ def figures(out: Path) -> list[str]:
     if not rewards:
         return []
     start, end = start_end(rewards)
-    return [f"reward {start:.2f} -> {end:.2f} over {len(rewards)} steps", f"KL to the reference {kls[-1]:.2f} nats"]
+    found = [f"reward {start:.2f} -> {end:.2f} over {len(rewards)} steps", f"KL to the reference {kls[-1]:.2f} nats"]
+    info = RunInfo.read(out)
+    return found + (probes.figures(info.details) if info is not None else [])
 
 
 STAGE = Stage(

@@ -2,7 +2,7 @@
 preference pairs (Bradley-Terry, trl's `RewardTrainer`).
 
 Program: `fitrl.scripts.rm`. Writes the adapter with its score head (peft's `modules_to_save`),
-the tokenizer, `eval.json` (held-out pair accuracy, margins), `rewards_hist.png`, `loss.png`;
+the tokenizer, `eval.json` (held-out pair accuracy, margins), `rewards_hist.png`, `calibration.png`, `loss.png`;
 checkpoints `checkpoint-N` (trl's). PPO can score with it on its own backbone (`reward_adapter`).
 """
 
