@@ -97,6 +97,8 @@ def test_the_reward_models_card_loads_from_anywhere_and_scores_as_fitrl_does(
     assert card.startswith(f"---\nbase_model: {base}\n"), card[:200]
     assert json.loads((reward_model / "adapter_config.json").read_text())["base_model_name_or_path"] == base
     assert load_run_info(reward_model)["reload_check"]["max_reward_diff"] <= 1e-4  # reloaded, it scores as trained
+    # its own pre-flight: degenerate continuations, a negated copy among them, beside the chosen texts
+    assert {"empty", "repeat", "negated"} <= set(load_run_info(reward_model)["reward_probes"]["kinds"])
     code = card.split("```python\n", 1)[1].split("```", 1)[0]
     code = code.replace("<this folder or its hub id>", str(reward_model))
     code = code.replace('texts = ["The acting was superb.", "The plot was dull."]', f"texts = {TEXTS!r}")

@@ -126,7 +126,7 @@ def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_ru
     policy = {"reward_signal", "entropy", "repetition", "reward_hacking"}
     expected = {
         "sft": every,
-        "rm": every,
+        "rm": every | {"reward_probes"},
         "dpo": every | {"reference"},
         "ppo": every | policy | {"reward_tokenizer", "reference", "kl", "clipping", "prompt_length", "reward_probes"},
         # GRPO's kl and reference need beta > 0: the demo's is 0

@@ -48,6 +48,7 @@ from fitrl.modeling import (
 from fitrl.outputs import plot_histograms, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
+from fitrl.reward import probes
 from fitrl.reward.adapter import score_texts
 from fitrl.stages.rm import STAGE, RMArguments
 from fitrl.tasks.preferences import PairInputs, PreferenceArguments, pad_multiple, pair_inputs, pair_texts
@@ -189,6 +190,25 @@ def plot_calibration(rows: list[tuple[float, float, int]], error: float, path: P
     plt.close(fig)
 
 
+PROBE_PAIRS = 16  # held-out pairs whose chosen texts the pre-flight builds its probes from
+
+
+def reward_preflight(run: Run, model: Any) -> dict[str, Any]:
+    """The reward pre-flight (`fitrl.reward.probes`) on the trained reward model: degenerate continuations
+    of held-out prompts (a negated copy among them: can it read a negation?) beside their chosen texts."""
+    rows = run.inputs.eval_pairs.select(range(min(PROBE_PAIRS, len(run.inputs.eval_pairs))))
+    prompts = [row.get("prompt") or "" for row in rows]
+
+    def scores(indices: list[int], texts: list[str]) -> list[float]:
+        whole = [prompts[i] + t for i, t in zip(indices, texts)]
+        return score(model, run.inputs.tokenizer, whole, run.args.eval_batch_size).tolist()
+
+    with run.health.timed():
+        found = probes.run_probes(scores, prompts, [row["chosen"] for row in rows], True, False)
+    probes.check_probes(found, run.health)
+    return found.to_json()
+
+
 def save_reward_model(trainer: Any, out: Path) -> None:
     """The adapter and its score head (trl's save: adapter_config.json, LoRA and head weights)."""
     trainer.save_model(str(out))
@@ -228,6 +248,7 @@ def finish(run: Run) -> None:
     trainer = run.trainer
     model = trainer.accelerator.unwrap_model(trainer.model)
     report = evaluate(run)
+    preflight = reward_preflight(run, model)
     losses = [r["loss"] for r in run.metrics.rows if "loss" in r]
     end = TrainingEnd(
         stage=STAGE.name,
@@ -253,6 +274,7 @@ def finish(run: Run) -> None:
             "train_pairs": len(run.inputs.train_pairs),
             "dropped_long_pairs": run.inputs.dropped,
             "chat_pairs": run.inputs.chat,  # PPO warns when its prompts are not what this read
+            probes.DETAILS_KEY: preflight,
             "eval": {k: v for k, v in to_dict(report).items() if k != "pairs"},
             "first_loss": losses[0] if losses else None,
         },

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitrl.artifacts import RMEval
+from fitrl.artifacts import RMEval, RunInfo
 from fitrl.config import check, help_field
 from fitrl.data import carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
+from fitrl.reward import probes
 from fitrl.stages.base import (
     Configs,
     Moves,
@@ -94,7 +95,8 @@ def figures(out: Path) -> list[str]:
             f"held-out pair accuracy {e.accuracy:.1%} on {e.n_pairs} pairs{carved(e.split)}, mean margin "
             f"{e.margin_mean:.2f}"
         )
-    return found
+    info = RunInfo.read(out)
+    return found + (probes.figures(info.details) if info is not None else [])
 
 
 # How to score as fitrl scores (`fitrl.reward.adapter.score_texts`) outside fitrl: the tokenizer's pad
