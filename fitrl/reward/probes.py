@@ -32,9 +32,9 @@ from fitrl.guards import Health
 
 GUARD = "reward_probes"
 DETAILS_KEY = "reward_probes"  # where run_info.json holds what it found (`Findings.to_json`)
-# The demo's PPO reward model, 16 prompts, seeds 0-2 and ATen's default and AVX2 kernels: every kind's
-# share at most 0.67 (a negated completion; a blank one 0.50-0.62): it prefers no opinion to a negative
-# one. A reward paying for a degenerate answer scores it above the median nearly always (1.0).
+# The demo's PPO reward model, 16 prompts, seeds 0-2 on an AVX-512 CPU's kernels and seed 0 under AVX2:
+# every kind's share at most 0.67 (a negated completion; a blank one 0.50-0.62): it prefers no opinion to
+# a negative one. A reward paying for a degenerate answer scores it above the median nearly always (1.0).
 MAX_SHARE = 0.8
 _COPULA = re.compile(r"\b(was|is|are|were)\b")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
