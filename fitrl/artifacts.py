@@ -150,6 +150,11 @@ def damaged(path: Path, problem: str) -> UsageError:
     return UsageError(f"{path} {problem}; it is damaged: rerun the stage that wrote it (or delete the file)")
 
 
+def carved_note(split: str | None, carved_from: str | None) -> str:
+    """' (the split)' after a held-out figure whose rows were carved out of one dataset, else ''."""
+    return f" ({split})" if carved_from else ""
+
+
 def written_by(directory: str | Path) -> str | None:
     """The stage whose `run_info.json` is in `directory` (None: none is)."""
     info = RunInfo.read(directory)
@@ -254,6 +259,7 @@ class SentimentEval(Artifact):
     kl_mean: float  # KL(policy || reference) per response, summed over its tokens
     win_rate: float  # the share of prompts whose policy response the reward scores above the reference's
     split: str | None = field(default=None, metadata=OMIT_NONE)  # the prompts' (`fitrl.data.split_name`)
+    carved_from: str | None = field(default=None, metadata=OMIT_NONE)  # `fitrl.data.carved_from`
     judge: JudgeFigures | None = field(default=None, metadata=OMIT_NONE)
     samples: list[dict[str, Any]] = field(default_factory=list)
 
@@ -280,6 +286,7 @@ class RMEval(PairEval):
     pairs: list[dict[str, float]] = field(default_factory=list)
     # How far sigmoid(reward difference) is from how often the labelled text wins (`calibration.png`)
     calibration_error: float | None = field(default=None, metadata=OMIT_NONE)
+    carved_from: str | None = field(default=None, metadata=OMIT_NONE)  # `fitrl.data.carved_from`
 
 
 @dataclass(frozen=True)
@@ -290,6 +297,7 @@ class DPOEval(PairEval):
     reward_chosen: float
     reward_rejected: float
     beta: float
+    carved_from: str | None = field(default=None, metadata=OMIT_NONE)  # `fitrl.data.carved_from`
 
 
 @dataclass(frozen=True)
@@ -324,3 +332,4 @@ class GSM8KSummary(Artifact):
     decoding: str
     scores: GSM8KScores = field(metadata=FLATTEN)
     without_adapter: GSM8KScores | None = None
+    carved_from: str | None = field(default=None, metadata=OMIT_NONE)  # `fitrl.data.carved_from`

@@ -27,7 +27,6 @@ HELDOUT_SPLIT = "test"  # what an evaluation reads unless told
 HELDOUT_SPLITS = ("test", "validation", "valid", "dev", "heldout")  # file names that split a folder
 HELDOUT_SHARE = 0.1
 CARVE_SEED = 0
-CARVED = "held out of"  # in a carved split's name (`split_name`)
 
 
 def _data_files(directory: Path) -> list[Path]:
@@ -92,11 +91,6 @@ def _source_files(
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise UsageError(f"dataset path {source} does not exist; give a local file or directory, or a hub id")
     return None
-
-
-def carved(split: str) -> str:
-    """' (the split)' for a split `split_name` says was carved out of one dataset, else ''."""
-    return f" ({split})" if CARVED in split else ""
 
 
 def heldout_rows(n: int) -> set[int]:
@@ -182,10 +176,19 @@ def split_name(source: str, split: str, demo_assets: str = "") -> str:
     files, part = _local_files(path, split, carve=True)
     names = "+".join(p.name for p in files)
     if part == TRAIN_SPLIT:
-        return f"{split}: {names} less the {HELDOUT_SHARE:.0%} {CARVED} it"
+        return f"{split}: {names} less the {HELDOUT_SHARE:.0%} held out of it"
     if part is not None:
-        return f"{split}: {HELDOUT_SHARE:.0%} {CARVED} {names} (seed {CARVE_SEED})"
+        return f"{split}: {HELDOUT_SHARE:.0%} held out of {names} (seed {CARVE_SEED})"
     return "+".join(p.stem for p in files)
+
+
+def carved_from(source: str, split: str) -> str | None:
+    """The files a split was carved out of (`heldout_rows`), or None for a split of its own."""
+    path = Path(source).expanduser()
+    if demo.is_demo_uri(source) or not path.exists():
+        return None
+    files, part = _local_files(path, split, carve=True)
+    return "+".join(p.name for p in files) if part is not None else None
 
 
 def check_columns(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fitrl.config import UsageError
-from fitrl.data import heldout_rows, load_dataset_any, load_text_dataset, load_texts, split_name
+from fitrl.data import carved_from, heldout_rows, load_dataset_any, load_text_dataset, load_texts, split_name
 
 
 def test_local_jsonl_and_csv(tmp_path: Path) -> None:
@@ -102,6 +102,7 @@ def test_one_data_file_is_carved_into_train_and_held_out_rows_the_same_way_by_ev
     assert load_texts(source, "validation", "text", "") == test
     assert len(load_dataset_any(source, "train", carve=False)) == n  # SFT evaluates on nothing: every row
     assert split_name(source, "test") == "test: 10% held out of data.jsonl (seed 0)"
+    assert carved_from(source, "test") == carved_from(source, "train") == "data.jsonl"
     assert split_name(source, "train") == "train: data.jsonl less the 10% held out of it"
 
 
@@ -110,7 +111,7 @@ def test_a_folder_split_into_files_gives_each_split_its_file_and_a_missing_split
     _rows(tmp_path / "test.jsonl", 2)
     assert len(load_texts(str(tmp_path), "train", "text", "")) == 4
     assert len(load_texts(str(tmp_path), "test", "text", "")) == 2
-    assert split_name(str(tmp_path), "test") == "test"
+    assert split_name(str(tmp_path), "test") == "test" and carved_from(str(tmp_path), "test") is None
     for loader in (
         lambda: load_texts(str(tmp_path), "validation", "text", ""),
         lambda: load_dataset_any(str(tmp_path), "validation"),

@@ -138,6 +138,7 @@ def test_a_new_user_runs_their_own_model_data_and_reward_through_fitrl(tmp_path:
         assert trained.returncode == 0, trained.stderr[-3000:]
         held_out = json.loads((tmp_path / "outputs" / stage / "eval.json").read_text())
         assert held_out["n_pairs"] == 3 and held_out["split"] == "test: 10% held out of pairs.jsonl (seed 0)"
+        assert held_out["carved_from"] == "pairs.jsonl"
         assert "on 3 pairs (test: 10% held out of pairs.jsonl (seed 0))" in trained.stdout + trained.stderr
 
     # PPO against that reward model on chat prompts: it reads them rendered, as it trained (no note)

@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fitrl.artifacts import DPOEval, to_dict
+from fitrl.artifacts import DPOEval, carved_note, to_dict
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import config_of
-from fitrl.data import carved, split_name
+from fitrl.data import carved_from, split_name
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.hf_trainer import (
@@ -124,6 +124,7 @@ def evaluate(run: Run) -> DPOEval:
         run.metrics.rewrite()
     return DPOEval(
         split=split_name(run.data_args.dataset, run.data_args.eval_split),
+        carved_from=carved_from(run.data_args.dataset, run.data_args.eval_split),
         n_pairs=len(run.inputs.eval_pairs),
         accuracy=found["eval_rewards/accuracies"],
         margin=found["eval_rewards/margins"],
@@ -159,7 +160,8 @@ def finish(run: Run) -> None:
         title=f"DPO: {run.model_args.model_name_or_path} on {run.data_args.dataset}",
         summary=(
             f"DPO done: held-out implicit-reward accuracy {report.accuracy:.1%}, margin {report.margin:.3f} "
-            f"on {report.n_pairs} pairs{carved(report.split)}; adapter written to {run.args.output_dir}"
+            f"on {report.n_pairs} pairs{carved_note(report.split, report.carved_from)}; adapter written to "
+            f"{run.args.output_dir}"
         ),
         details={
             "train_pairs": len(run.inputs.train_pairs),

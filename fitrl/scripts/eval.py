@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from fitrl.artifacts import JudgeFigures, ResponseScores, SentimentEval, written_by
+from fitrl.artifacts import JudgeFigures, ResponseScores, SentimentEval, carved_note, written_by
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import save_run_config
-from fitrl.data import carved, split_name
+from fitrl.data import carved_from, split_name
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, markdown_cell, plot_histograms, staged_output_dir
 from fitrl.process import entrypoint
@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = answer_and_score(
             policy, tokenizer, queries, columns, prompt_args, stop_at_eos, args, reward, judge, device
         )
-        split = split_name(prompt_args.dataset, prompt_args.dataset_split)
-        report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path, split)
+        source, split = prompt_args.dataset, prompt_args.dataset_split
+        where = (split_name(source, split), carved_from(source, split))
+        report = summarize(rows, vocabulary, judge, adapter_dir, model_args.model_name_or_path, *where)
         report.write(out)
         table = report_table(report, args.n_samples_shown)
         (out / "eval.md").write_text(table)
@@ -167,7 +168,7 @@ def answer_and_score(
 
 
 def summarize(
-    rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, model: str, split: str
+    rows: list[dict], vocabulary: set[str], judge, adapter_dir: Path, model: str, split: str, carved: str | None
 ) -> SentimentEval:
     """The headline figures of both sides, then every sample."""
     n = len(rows)
@@ -200,6 +201,7 @@ def summarize(
         adapter_dir=str(adapter_dir),
         model=model,
         split=split,
+        carved_from=carved,
         policy=side("policy"),
         reference=side("reference"),
         kl_mean=sum(r["kl"] for r in rows) / n,
@@ -223,7 +225,7 @@ def report_table(report: SentimentEval, n_shown: int) -> str:
 
     lines = [
         f"# Policy evaluation: adapter on against adapter off ({report.n_prompts} held-out prompts"
-        f"{carved(report.split or '')})",
+        f"{carved_note(report.split, report.carved_from)})",
         "",
         head,
         "|---" * (head.count("|") - 1) + "|",

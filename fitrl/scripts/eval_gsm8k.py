@@ -26,7 +26,7 @@ from typing import Any
 from fitrl.artifacts import GSM8KScores, GSM8KSummary, written_by
 from fitrl.checkpoints import check_adapter_base, check_adapter_files
 from fitrl.config import save_run_config
-from fitrl.data import split_name
+from fitrl.data import carved_from, split_name
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.process import entrypoint
@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
             decoding="greedy" if args.temperature == 0 else f"sampled, temperature {args.temperature}",
             scores=scores,
             without_adapter=base_scores,
+            carved_from=carved_from(data_args.dataset, data_args.dataset_split),
         )
         summary.write(out)
         save_run_config(out, model_args, data_args, args, demo_args)

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from fitrl.artifacts import RMEval, to_dict
+from fitrl.artifacts import RMEval, carved_note, to_dict
 from fitrl.checkpoints import checkpoint_root
 from fitrl.config import RunFailed, config_of
-from fitrl.data import carved, split_name
+from fitrl.data import carved_from, split_name
 from fitrl.demo import DemoArguments
 from fitrl.ending import TrainingEnd, finish_training
 from fitrl.hf_trainer import TrainerRun, quiet_progress, start_metrics, trainer_arguments, trainer_callbacks
@@ -137,6 +137,7 @@ def evaluate(run: Run) -> RMEval:
     pairs = [{"chosen": c, "rejected": r} for c, r in zip(r_chosen.tolist(), r_rejected.tolist())]
     return RMEval(
         split=split_name(run.data_args.dataset, run.data_args.eval_split),
+        carved_from=carved_from(run.data_args.dataset, run.data_args.eval_split),
         n_pairs=len(margins),
         accuracy=(margins > 0).float().mean().item(),
         margin_mean=margins.mean().item(),
@@ -268,7 +269,8 @@ def finish(run: Run) -> None:
         title=f"Reward model: {run.model_args.model_name_or_path} on {run.data_args.dataset}",
         summary=(
             f"reward model done: held-out pair accuracy {report.accuracy:.1%} on {report.n_pairs} pairs"
-            f"{carved(report.split)} (mean margin {report.margin_mean:.2f}); adapter written to {run.args.output_dir}"
+            f"{carved_note(report.split, report.carved_from)} (mean margin {report.margin_mean:.2f}); adapter "
+            f"written to {run.args.output_dir}"
         ),
         details={
             "train_pairs": len(run.inputs.train_pairs),

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fitrl.artifacts import DPOEval
+from fitrl.artifacts import DPOEval, carved_note
 from fitrl.config import check, help_field
-from fitrl.data import carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.stages.base import (
@@ -102,7 +101,7 @@ def figures(out: Path) -> list[str]:
     if e is not None:
         found.append(
             f"held-out pairs: implicit-reward accuracy {e.accuracy:.1%}, margin {e.margin:.3f} "
-            f"(0 at the start) on {e.n_pairs} pairs{carved(e.split)}"
+            f"(0 at the start) on {e.n_pairs} pairs{carved_note(e.split, e.carved_from)}"
         )
     return found
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitrl.artifacts import GSM8KSummary
+from fitrl.artifacts import GSM8KSummary, carved_note
 from fitrl.config import check, help_field
-from fitrl.data import HELDOUT_SPLIT, carved
+from fitrl.data import HELDOUT_SPLIT
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
 from fitrl.stages.base import Stage
@@ -64,7 +64,8 @@ def figures(out: Path) -> list[str]:
     line = f"accuracy {s.accuracy:.1%} with the adapter"
     if base is not None:
         line += f", {base.accuracy:.1%} without"
-    problems = f"problems{carved(summary.split)}" if carved(summary.split) else f"{summary.split} problems"
+    carved = carved_note(summary.split, summary.carved_from)
+    problems = f"problems{carved}" if carved else f"{summary.split} problems"
     return [
         line + f" ({summary.problems} {problems})",
         f"format compliance {s.format_compliance:.0%}"

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitrl.artifacts import SentimentEval
+from fitrl.artifacts import SentimentEval, carved_note
 from fitrl.config import check, help_field, load_run_config, parse_config
-from fitrl.data import HELDOUT_SPLIT, carved
+from fitrl.data import HELDOUT_SPLIT
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
 from fitrl.reward.settings import RewardArguments
@@ -71,7 +71,7 @@ def figures(out: Path) -> list[str]:
     r, p = e.reference, e.policy
     found = [
         f"held-out reward {r.mean:.2f} (reference) -> {p.mean:.2f} (policy) on {e.n_prompts} prompts"
-        + carved(e.split or ""),
+        + carved_note(e.split, e.carved_from),
         f"KL {e.kl_mean:.2f} nats, win rate {e.win_rate:.0%}",
         f"called positive by the reward model {r.positive_share:.0%} -> {p.positive_share:.0%}",
         f"corpus words in responses {r.corpus_word_share:.1%} -> {p.corpus_word_share:.1%}",

@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fitrl.artifacts import RMEval, RunInfo
+from fitrl.artifacts import RMEval, RunInfo, carved_note
 from fitrl.config import check, help_field
-from fitrl.data import carved
 from fitrl.demo import DemoArguments
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.reward import probes
@@ -92,8 +91,8 @@ def figures(out: Path) -> list[str]:
     e = RMEval.read(out)
     if e is not None:
         found.append(
-            f"held-out pair accuracy {e.accuracy:.1%} on {e.n_pairs} pairs{carved(e.split)}, mean margin "
-            f"{e.margin_mean:.2f}"
+            f"held-out pair accuracy {e.accuracy:.1%} on {e.n_pairs} pairs{carved_note(e.split, e.carved_from)}, "
+            f"mean margin {e.margin_mean:.2f}"
         )
     info = RunInfo.read(out)
     return found + (probes.figures(info.details) if info is not None else [])
