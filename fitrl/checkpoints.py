@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fitrl.artifacts import RunInfo, written_by
-from fitrl.config import RUN_CONFIG_NAME, UsageError, first_line
+from fitrl.config import RUN_CONFIG_NAME, RunFailed, UsageError, first_line, load_run_config
 
 STATE_FILE = "trainer_state.json"
 COMPLETE_FILE = RUN_CONFIG_NAME
@@ -69,8 +69,6 @@ def find_checkpoint(resume: str | None, output_dir: str | Path, prefix: str, sta
 
 def stopped(reason: str, step: int, output_dir: str | Path, prefix: str | None, fix: str) -> Exception:
     """The `RunFailed` of a run that cannot go on: it names the checkpoint to resume from, if any."""
-    from fitrl.config import RunFailed
-
     latest = latest_checkpoint(checkpoint_root(output_dir), prefix) if prefix else None
     kept = f"the last checkpoint, {latest}, is kept" if latest else "no checkpoint was saved"
     return RunFailed(f"{reason} at step {step}; {kept}; {fix}")
@@ -207,8 +205,6 @@ def check_resume_config(checkpoint: Path, current: dict[str, Any]) -> list[str]:
     """
     import yaml
 
-    from fitrl.config import load_run_config
-
     saved = load_run_config(checkpoint)
     if not saved:  # made before checkpoints recorded their settings: nothing to compare
         return []
@@ -258,8 +254,6 @@ def check_adapter_files(adapter_dir: Path, producer: str) -> None:
 def adapter_bases(adapter_dir: Path, stage: str) -> tuple[set[str], str | None]:
     """What an adapter records of its base (its run's `run_config.yaml` and `run_info.json`, peft's
     `adapter_config.json`), and the name it was trained on (None: it records none)."""
-    from fitrl.config import load_run_config
-
     info, config = RunInfo.read(adapter_dir), load_run_config(adapter_dir)
     peft_base = None
     if (adapter_dir / "adapter_config.json").is_file():
