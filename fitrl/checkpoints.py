@@ -19,6 +19,7 @@ from fitrl.artifacts import RunInfo, written_by
 from fitrl.config import RUN_CONFIG_NAME, RunFailed, UsageError, first_line, load_run_config
 
 STATE_FILE = "trainer_state.json"
+ADAPTER = "adapter"  # a PPO checkpoint's policy adapter
 COMPLETE_FILE = RUN_CONFIG_NAME
 
 
@@ -37,10 +38,22 @@ def is_complete(checkpoint: Path) -> bool:
     return (checkpoint / COMPLETE_FILE).is_file() and (checkpoint / STATE_FILE).is_file()
 
 
+def complete_checkpoints(root: Path, prefix: str) -> dict[int, Path]:
+    """The complete `<prefix>-N` directories in `root`, by N."""
+    return {n: p for n, p in _numbered(root, prefix).items() if is_complete(p)}
+
+
 def latest_checkpoint(root: Path, prefix: str) -> Path | None:
     """The complete `<prefix>-N` directory in `root` with the largest N, or None."""
-    found = {n: p for n, p in _numbered(root, prefix).items() if is_complete(p)}
+    found = complete_checkpoints(root, prefix)
     return found[max(found)] if found else None
+
+
+def policy_adapter(directory: Path) -> Path:
+    """Where an adapter's files are: a PPO checkpoint's `adapter/` (beside its value head, optimizer and
+    state), else `directory` itself."""
+    inner = directory / ADAPTER
+    return inner if (directory / STATE_FILE).is_file() and (inner / "adapter_config.json").is_file() else directory
 
 
 def find_checkpoint(resume: str | None, output_dir: str | Path, prefix: str, stage: str) -> Path | None:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fitrl.artifacts import GuardVerdict, MemoryFigures, RunInfo
+from fitrl.reward import probes
 from fitrl.stages import STAGES, Stage, get
 
 TIMINGS = "logs/timings.json"
@@ -29,6 +30,11 @@ def _run_memory(out: Path) -> MemoryFigures:
 def _run_health(out: Path) -> dict[str, GuardVerdict]:
     info = RunInfo.read(out)
     return {} if info is None else info.health
+
+
+def _run_details(out: Path) -> dict:
+    info = RunInfo.read(out)
+    return {} if info is None else info.details
 
 
 def _step(v: GuardVerdict) -> str:
@@ -172,10 +178,13 @@ def markdown(run_dir: Path, stages: list[Stage], title: str) -> tuple[str, list[
         if stage.name in timings:
             parts.append(f"- wall time {_minutes(timings[stage.name])}")
         parts += ["", f"Output: `{out}`; log: `{run_dir / 'logs' / (stage.name + '.log')}`", ""]
-        plot = out / stage.plot if stage.plot else None
-        if plot is not None and plot.is_file():
-            images.append(plot)
-            parts += [f"![{stage.name}]({plot.relative_to(run_dir)})", ""]
+        parts += probes.table(_run_details(out))
+        for name in [*([stage.plot] if stage.plot else []), *stage.more_plots]:
+            plot = out / name
+            if plot.is_file():
+                images.append(plot)
+                alt = stage.name if name == stage.plot else f"{stage.name}: {plot.stem}"
+                parts += [f"![{alt}]({plot.relative_to(run_dir)})", ""]
         samples = _samples(stage, out)
         if samples:
             parts += [samples, ""]

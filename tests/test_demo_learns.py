@@ -225,6 +225,47 @@ def test_the_sentiment_evaluation_reports_every_sample_and_repeats_exactly(demo_
 
 
 @pytest.mark.slow
+def test_the_reward_pre_flight_flags_cut_responses_and_the_audit_names_the_judges_peak(
+    demo_run: Path, tmp_path: Path
+) -> None:
+    """The demo's reward model learnt whole texts. With the shipped `response_end: sentence` no response
+    it scores is cut mid-sentence, which the pre-flight states; PPO against it with `response_end: length`
+    feeds it cut text, and the pre-flight flags the `cut_mid_sentence` swing before the first update.
+
+    Margin: the swing on the demo's prompts cut at a length, seeds 0-2 (seed 2 also under AVX2): 0.63-0.84
+    against the bar 0.4; the sentiment classifier, which reads what a text says, 0.02-0.13."""
+    project = demo_run.parents[1]
+    probes = load_run_info(demo_run / "ppo")
+    cut = probes["reward_probes"]["cut"]
+    assert 2 * cut["n"] <= cut["of"] and "does not steer the reward" in probes["health"]["reward_probes"]["saw"]
+    report = (demo_run / "report.md").read_text()
+    assert report.count("| probe | n | mean score | share above the median reference |") == 3  # rm, ppo, grpo
+    out = tmp_path / "length"
+    flags = ["--steps", "1", "--save_steps", "0", "--guard_judge_model", "", "--response_end", "length"]
+    result = run_script("ppo.py", "--config", CONFIGS / "demo" / "ppo.yaml", "--output_dir", out, *flags, cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = load_run_info(out)
+    verdict, cut = info["health"]["reward_probes"], info["reward_probes"]["cut"]
+    assert verdict["passed"] is False and "cut_mid_sentence: " in verdict["saw"], verdict
+    assert 2 * cut["n"] > cut["of"] and cut["swing"] > 0.4, cut
+
+    # The over-optimisation audit: the judge's readings against sqrt(KL), its peak, and the saved policy
+    # nearest it, which the named command evaluates.
+    audit = probes["overoptimisation"]
+    assert [r["step"] for r in audit["readings"]] == [0, 20, 40, 60] and audit["readings"][0]["sqrt_kl"] < 0.1
+    peak = max(audit["readings"], key=lambda r: r["gold"])
+    assert audit["peak_gold"] == peak["gold"] and audit["nearest_step"] == audit["peak_step"]  # saved every 20
+    assert (demo_run / "ppo" / "overoptimisation.png").is_file() and "ppo/overoptimisation.png" in report
+    assert f"the judge peaked at step {audit['peak_step']}" in report and audit["command"] in report
+    fitrl, *args = audit["command"].split()
+    assert fitrl == "fitrl" and args[0] == "eval"
+    evaluated = run_script("eval.py", *args[1:], "--n_prompts", "8", cwd=project)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    evaluation = json.loads((project / args[args.index("--output_dir") + 1] / "eval.json").read_text())
+    assert evaluation["adapter_dir"] == audit["nearest"] and evaluation["n_prompts"] == 8
+
+
+@pytest.mark.slow
 def test_grpo_raises_accuracy_in_training_and_on_held_out_problems(demo_run: Path) -> None:
     rows = [r for r in read_jsonl(demo_run / "grpo" / "metrics.jsonl") if "reward" in r]
     k = len(rows) // 5

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from fitrl import checkpoints
-from fitrl.checkpoints import STATE_FILE, load_safetensors, load_state
+from fitrl.checkpoints import ADAPTER, STATE_FILE, load_safetensors, load_state
 from fitrl.config import save_run_config
 from fitrl.guards import (
     GradientGuard,
@@ -42,7 +42,6 @@ from fitrl.rollout import Rollout, decode, generation_batch, rendered_queries, s
 from fitrl.stages.ppo import PPOArguments
 
 VALUE_HEAD = "value_head.safetensors"  # tensors only: it loads without pickle
-ADAPTER = "adapter"
 OPTIMIZER = "optimizer.pt"
 
 

@@ -18,6 +18,14 @@ has exploited it. Each probe kind is built from the reference's completions (`pr
 For each kind, the share of its probes that the reward scores above the median reference completion
 (`Findings.shares`). The `reward_probes` guard fires (a warning; `strict_guards` stops the run) when
 a kind's share is over `max_share`: the reward pays for that degenerate answer more often than not.
+
+One blind spot is paired rather than shared: where a completion is cut. Each reference completion that
+ends mid-sentence after a sentence end (as a run whose responses stop at a drawn length writes them) is
+scored beside itself ended at that sentence end (`Cut`). A reward that reads what a text says moves
+little between the two; one trained only on whole texts can move as much as between two different
+completions, and a run feeding it cut responses is then rewarded for where the cut fell. The guard
+fires on the `cut_mid_sentence` swing when most completions end mid-sentence and the median move is
+over `MAX_CUT_SWING` of the median difference between two reference completions.
 """
 
 from __future__ import annotations
@@ -36,8 +44,14 @@ DETAILS_KEY = "reward_probes"  # where run_info.json holds what it found (`Findi
 # every kind's share at most 0.67 (a negated completion; a blank one 0.50-0.62): it prefers no opinion to
 # a negative one. A reward paying for a degenerate answer scores it above the median nearly always (1.0).
 MAX_SHARE = 0.8
+# The cut swing, measured with the demo's PPO prompts cut at a length (seeds 0-2; seed 2 also under AVX2,
+# the same): its reward model (trained on whole texts) 0.63-0.84, the sentiment classifier (a reader of
+# what a text says) 0.02-0.13. The bar sits between the two ranges.
+MAX_CUT_SWING = 0.4
+CUT_KIND = "cut_mid_sentence"
 _COPULA = re.compile(r"\b(was|is|are|were)\b")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_LAST_END = re.compile(r"^(.*[.!?])\s+[^.!?]*\w[^.!?]*$", re.DOTALL)  # words after the last sentence end
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 
 Scorer = Callable[[list[int], list[str]], list[float]]  # (the prompts' indices, completions) -> scores
@@ -64,6 +78,12 @@ def _negated(text: str) -> str | None:
 def _answer(text: str) -> str:
     found = _ANSWER.search(text)
     return found.group(1) if found else (text.split() or ["0"])[-1]
+
+
+def finished(text: str) -> str | None:
+    """The text ended at its last sentence end, when words follow it (a text cut mid-sentence), else None."""
+    found = _LAST_END.match(text.rstrip())
+    return None if found is None else found.group(1)
 
 
 def probe_completions(
@@ -97,6 +117,39 @@ def probe_completions(
 
 
 @dataclass
+class Cut:
+    """Where a completion is cut, read by the reward: `n` of `of` reference completions end mid-sentence
+    after a sentence end; `shift` the median |score(as written) - score(ended at that sentence end)|;
+    `spread` the median |difference| between two reference completions' scores; `swing` their ratio."""
+
+    n: int
+    of: int
+    shift: float
+    spread: float
+
+    @property
+    def swing(self) -> float:
+        if self.spread > 0:
+            return self.shift / self.spread
+        return 0.0 if self.shift == 0 else float("inf")
+
+    @property
+    def exercised(self) -> bool:
+        """Most completions end mid-sentence, at least 3 of them: the run feeds the reward cut text."""
+        return self.n >= 3 and 2 * self.n > self.of
+
+    def to_json(self) -> dict[str, Any]:
+        swing = self.swing if self.swing != float("inf") else None
+        return {"n": self.n, "of": self.of, "shift": round(self.shift, 4), "spread": round(self.spread, 4),
+                "swing": None if swing is None else round(swing, 4)}  # fmt: skip
+
+
+def _median_gap(values: Sequence[float]) -> float:
+    gaps = [abs(a - b) for i, a in enumerate(values) for b in values[i + 1 :]]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+@dataclass
 class Findings:
     """What the pre-flight saw: the median reference score, and per probe kind its count, mean score and
     the share of its probes above that median."""
@@ -106,9 +159,11 @@ class Findings:
     shares: dict[str, float]
     means: dict[str, float]
     counts: dict[str, int]
+    cut: Cut | None = None  # measured for prose (not a format task's answers)
 
     def to_json(self) -> dict[str, Any]:
         return {
+            **({"cut": self.cut.to_json()} if self.cut is not None else {}),
             "references": self.references,
             "median_reference": round(self.median_reference, 4),
             "kinds": {
@@ -128,7 +183,8 @@ class Findings:
 
 def run_probes(score: Scorer, queries: Sequence[str], references: Sequence[str], negations: bool,
                answer_format: bool) -> Findings:  # fmt: skip
-    """Score the reference completions and every probe (`probe_completions`) with `score`."""
+    """Score the reference completions and every probe (`probe_completions`) with `score`; for prose, the
+    references cut mid-sentence beside themselves ended at their last sentence end (`Cut`)."""
     ref = score(list(range(len(references))), list(references))
     median = statistics.median(ref)
     shares, means, counts = {}, {}, {}
@@ -137,33 +193,97 @@ def run_probes(score: Scorer, queries: Sequence[str], references: Sequence[str],
         shares[kind] = sum(v > median for v in values) / len(values)
         means[kind] = statistics.fmean(values)
         counts[kind] = len(values)
-    return Findings(len(references), median, shares, means, counts)
+    cut = None
+    if not answer_format:
+        pairs = [(i, e) for i, r in enumerate(references) if (e := finished(r)) is not None]
+        ended = score([i for i, _ in pairs], [e for _, e in pairs]) if pairs else []
+        shifts = [abs(ref[i] - v) for (i, _), v in zip(pairs, ended)]
+        cut = Cut(len(pairs), len(references), statistics.median(shifts) if shifts else 0.0, _median_gap(ref))
+    return Findings(len(references), median, shares, means, counts, cut)
 
 
-def check_probes(findings: Findings, health: Health, max_share: float = MAX_SHARE) -> None:
+def _cut_saw(cut: Cut | None) -> str:
+    if cut is None:
+        return ""
+    if not cut.exercised:
+        return (f"; {CUT_KIND}: {cut.n} of {cut.of} completions end mid-sentence, so where a completion is cut "
+                "does not steer the reward")  # fmt: skip
+    return f"; {CUT_KIND} swing {cut.swing:.0%} ({cut.n} of {cut.of} completions end mid-sentence)"
+
+
+def check_probes(
+    findings: Findings, health: Health, max_share: float = MAX_SHARE, max_swing: float = MAX_CUT_SWING
+) -> None:
     """The `reward_probes` verdict: fired (before step 1) when a kind outscores the median reference more
-    often than `max_share`, naming every such kind."""
+    often than `max_share`, naming every such kind, or when most completions end mid-sentence and where
+    they are cut moves the reward more than `max_swing` of what separates two completions."""
     over = {k: s for k, s in findings.shares.items() if s > max_share}
-    if over:
-        named = ", ".join(f"{k} {s:.0%}" for k, s in sorted(over.items(), key=lambda kv: -kv[1]))
-        health.failed(
+    cut = findings.cut
+    swung = cut is not None and cut.exercised and cut.swing > max_swing
+    if not over and not swung:
+        kind, share = findings.worst()
+        health.passed(
             GUARD,
-            f"degenerate completions outscore the median reference completion ({findings.median_reference:.3g}) "
-            f"more often than {max_share:.0%}: {named}; the reward pays for them (see run_info.json reward_probes)",
-            0,
+            f"no probe kind outscores the median reference more often than {max_share:.0%} (most: {kind} "
+            f"{share:.0%}){_cut_saw(cut)}",
         )
         return
-    kind, share = findings.worst()
-    health.passed(
-        GUARD,
-        f"no probe kind outscores the median reference more often than {max_share:.0%} (most: {kind} {share:.0%})",
-    )
+    parts = []
+    if over:
+        named = ", ".join(f"{k} {s:.0%}" for k, s in sorted(over.items(), key=lambda kv: -kv[1]))
+        parts.append(
+            f"degenerate completions outscore the median reference completion ({findings.median_reference:.3g}) "
+            f"more often than {max_share:.0%}: {named}; the reward pays for them"
+        )
+    if swung:
+        parts.append(
+            f"{CUT_KIND}: {cut.n} of {cut.of} completions end mid-sentence, and ending them at their last sentence "
+            f"end moves the reward by {cut.shift:.3g}, {cut.swing:.0%} of what separates two completions "
+            f"({cut.spread:.3g}; bar {max_swing:.0%}): the run would be rewarded for where its responses are cut "
+            "(end them at a sentence: response_end sentence)"
+        )
+    health.failed(GUARD, "; ".join(parts) + " (see run_info.json reward_probes)", 0)
 
 
 def figures(details: dict[str, Any]) -> list[str]:
-    """The report's line for what a stage's pre-flight recorded in `run_info.json`'s details (none: [])."""
+    """The report's line for what a stage's pre-flight recorded in `run_info.json`'s details (none: []):
+    the kinds that outscore the median reference most, and the cut swing when the run cuts its text."""
     found = details.get(DETAILS_KEY)
     if not found:
         return []
-    shares = ", ".join(f"{k} {v['share_above_median']:.0%}" for k, v in found["kinds"].items())
-    return [f"reward pre-flight, share above the median reference completion: {shares}"]
+    kinds = sorted(found["kinds"].items(), key=lambda kv: -kv[1]["share_above_median"])[:3]
+    shares = ", ".join(f"{k} {v['share_above_median']:.0%}" for k, v in kinds)
+    cut = found.get("cut")
+    swing = ""
+    if cut and cut["n"] and cut["swing"] is not None:
+        swing = f"; {CUT_KIND} swing {cut['swing']:.0%} ({cut['n']} of {cut['of']} end mid-sentence)"
+    return [f"reward pre-flight, most above the median reference completion: {shares}{swing}"]
+
+
+def table(details: dict[str, Any]) -> list[str]:
+    """The pre-flight as a markdown table, a row per probe kind (and the cut swing), or []."""
+    found = details.get(DETAILS_KEY)
+    if not found:
+        return []
+    lines = [
+        f"Reward pre-flight ({found['references']} reference completions, median score "
+        f"{found['median_reference']:.3g}):",
+        "",
+        "| probe | n | mean score | share above the median reference |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {k} | {v['n']} | {v['mean']:.3g} | {v['share_above_median']:.0%} |" for k, v in found["kinds"].items()
+    ]
+    cut = found.get("cut")
+    if cut and cut["n"]:
+        swing = "-" if cut["swing"] is None else f"{cut['swing']:.0%}"
+        lines += [
+            "",
+            f"Where a completion is cut: {cut['n']} of {cut['of']} end mid-sentence; ending them at their last "
+            f"sentence end moves the score by {cut['shift']:.3g} (median), {swing} of the median gap between two "
+            f"completions ({cut['spread']:.3g}; the guard's bar: {MAX_CUT_SWING:.0%} when most are cut).",
+        ]
+    elif cut:
+        lines += ["", f"Where a completion is cut: none of the {cut['of']} ends mid-sentence; not exercised."]
+    return [*lines, ""]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fitrl.artifacts import JudgeFigures, ResponseScores, SentimentEval, carved_note, written_by
-from fitrl.checkpoints import check_adapter_base, check_adapter_files
+from fitrl.checkpoints import check_adapter_base, check_adapter_files, policy_adapter
 from fitrl.config import save_run_config
 from fitrl.data import carved_from, split_name
 from fitrl.modeling import load_causal_lm, load_tokenizer, resolve_model_path
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_causal_lm(model_args, path=model_path, for_training=False, pad_token_id=tokenizer.pad_token_id)
     if model_args.quantization == "none":
         model.to(device)
-    policy = PeftModel.from_pretrained(model, adapter_dir).eval()
+    policy = PeftModel.from_pretrained(model, policy_adapter(adapter_dir)).eval()
     reward = load_reward(reward_args, demo_args.demo_assets, device, reward_base, policy, tokenizer)
     judge = None
     if args.judge_model:
@@ -104,7 +104,7 @@ def preflight(model_args, prompt_args, reward_args, args, demo_args) -> tuple[Pa
     inputs = [args.adapter_dir, model_args.model_name_or_path, reward, prompt_args.dataset]
     check_output_dir(args.output_dir, args.overwrite_output_dir, inputs, demo_args.demo_assets)
     adapter_dir = Path(args.adapter_dir).expanduser()
-    check_adapter_files(adapter_dir, "policy")
+    check_adapter_files(policy_adapter(adapter_dir), "policy")  # a run's output, or a PPO checkpoint
     model_path = resolve_model_path(model_args.model_name_or_path, demo_args.demo_assets)
     made_by = written_by(adapter_dir)  # the same evaluation judges PPO's and DPO's policies
     producer = made_by if made_by in STAGE.judges else STAGE.reads[1]

@@ -30,7 +30,7 @@ import torch
 
 from fitrl import signals
 from fitrl.artifacts import RunInfo
-from fitrl.checkpoints import checkpoint_root, latest_checkpoint, resume_checkpoint
+from fitrl.checkpoints import checkpoint_root, complete_checkpoints, latest_checkpoint, resume_checkpoint
 from fitrl.config import RunFailed, Terminated, UsageError, config_dict
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
@@ -53,7 +53,7 @@ from fitrl.ppo import metrics
 from fitrl.ppo.step import PolicyAndValue
 from fitrl.ppo.trainer import PPOTrainer, Prompts, Sampling
 from fitrl.process import entrypoint
-from fitrl.reward import probes
+from fitrl.reward import audit, probes
 from fitrl.reward.factory import check_reward, load_reward
 from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import decode, rendered_queries
@@ -313,6 +313,34 @@ def train_step(run: Run) -> dict[str, Any]:
 # --- the end --------------------------------------------------------------------------------------
 
 
+def overoptimisation(run: Run) -> dict[str, Any] | None:
+    """The over-optimisation audit (`fitrl.reward.audit`) of the judge's readings, its plot written into the
+    output: the saved policy nearest the judge's peak, among this run's checkpoints (every `save_steps`)
+    and its output. None without a judge or with fewer than two readings."""
+    if run.hacking is None:
+        return None
+    args, trainer = run.args, run.trainer
+    rows, final = trainer.state.metrics, trainer.state.step
+    readings = audit.readings(rows, run.hacking.scores, metrics.REWARD_MEAN, metrics.KL)
+    given = Path(args.output_dir)
+    found = complete_checkpoints(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
+    shown = given.with_name(given.name + ".checkpoints")  # as the user named the output
+    saved = {
+        n: str(shown / p.name) for n, p in found.items() if args.save_steps and n % args.save_steps == 0 and n <= final
+    }
+    command = (
+        f"fitrl eval --adapter_dir {{adapter_dir}} --output_dir {given.with_name(given.name + '_peak_eval')} "
+        f"--judge_model {args.guard_judge_model} --judge_positive_label {args.guard_judge_positive_label}"
+    )
+    result = audit.audit(readings, saved, final, str(given), command)
+    if result is None:
+        return None
+    if run.accelerator.is_main_process:
+        gold = f"judge ({args.guard_judge_model}): mean verdict"
+        audit.plot(result, rows, metrics.REWARD_MEAN, metrics.KL, gold, run.out / audit.PLOT)
+    return result.to_json()
+
+
 def finish(run: Run) -> None:
     """Check the base did not move and the ranks agree, then write the policy, value head and report."""
     from accelerate.utils import gather_object
@@ -324,6 +352,7 @@ def finish(run: Run) -> None:
     trainer.monitors.finish()
     if run.hacking is not None:
         run.hacking.finish()
+    audited = overoptimisation(run)
     rows = trainer.state.metrics
     rewards = [r[metrics.REWARD_MEAN] for r in rows]
     start, end = start_end(rewards)  # the report's reading: means of the first and last few steps
@@ -352,6 +381,7 @@ def finish(run: Run) -> None:
             "frozen_base_digest": run.frozen_digest,
             "frozen_base_verified": run.frozen_digest is not None,
             **({probes.DETAILS_KEY: run.probes} if run.probes is not None else {}),
+            **({audit.DETAILS_KEY: audited} if audited is not None else {}),
         },
         samples=(
             STAGE.samples,

@@ -76,6 +76,7 @@ class Stage:
     checkpoint_prefix: str | None = None  # resumable: `<output_dir>.checkpoints/<prefix>-N`
     memory: StageMemory | None = None  # plannable
     plot: str | None = None
+    more_plots: tuple[str, ...] = ()  # further figures the report shows when the stage wrote them
     samples: str | None = None  # a markdown file the report shows
     # Defaults under the config file and the flags: what the stage before wrote (its run_config.yaml),
     # an evaluation's held-out split.

@@ -23,7 +23,9 @@ from fitrl.tasks.sentiment import PromptArguments
 class SentimentEvalArguments:
     """What to evaluate and where the report goes."""
 
-    adapter_dir: str = help_field("outputs/ppo", "The PPO (or DPO) stage's output directory: the policy adapter.")
+    adapter_dir: str = help_field(
+        "outputs/ppo", "The PPO (or DPO) stage's output directory: the policy adapter; or a PPO checkpoint (step-N)."
+    )
     output_dir: str = help_field("outputs/eval", "Where eval.json, eval.md and reward_hist.png go.")
     overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
     n_prompts: int = help_field(128, "Held-out prompts to answer.")

@@ -17,7 +17,7 @@ from fitrl.guards import Limit
 from fitrl.hub import HubSettings
 from fitrl.modeling import LoraArguments, ModelArguments
 from fitrl.ppo import metrics
-from fitrl.reward import probes
+from fitrl.reward import audit, probes
 from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import generation_batch
 from fitrl.stages.base import (
@@ -260,7 +260,7 @@ def figures(out: Path) -> list[str]:
     start, end = start_end(rewards)
     found = [f"reward {start:.2f} -> {end:.2f} over {len(rewards)} steps", f"KL to the reference {kls[-1]:.2f} nats"]
     info = RunInfo.read(out)
-    return found + (probes.figures(info.details) if info is not None else [])
+    return found + ([*probes.figures(info.details), *audit.figures(info.details)] if info is not None else [])
 
 
 STAGE = Stage(
@@ -285,5 +285,6 @@ STAGE = Stage(
         reward_model=reward_model,
     ),
     plot="ppo_curves.png",
+    more_plots=(audit.PLOT,),
     samples="samples.md",
 )

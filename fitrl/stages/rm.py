@@ -140,4 +140,5 @@ STAGE = Stage(
         shape_moves=shape_moves,
     ),
     plot="loss.png",
+    more_plots=("rewards_hist.png", "calibration.png"),
 )

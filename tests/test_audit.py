@@ -1,0 +1,58 @@
+"""The over-optimisation audit (`fitrl.reward.audit`) on hand-made rows: each gold reading beside the
+batch its policy sampled next, the peak, the saved policy nearest it, its report line and plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from fitrl.reward.audit import DETAILS_KEY, Reading, audit, figures, nearest_saved, plot, readings
+
+# Step s's batch was sampled by the policy after s - 1 updates; its KL and mean reward.
+ROWS = [
+    {"step": 1, "kl": -1e-4, "reward": 0.0},  # the sampled KL estimate dips below 0 at the reference
+    {"step": 2, "kl": 1.0, "reward": 0.5},
+    {"step": 3, "kl": 4.0, "reward": 1.0},
+    {"step": 4, "kl": 9.0, "reward": 1.5},
+]
+
+
+def test_each_reading_is_set_beside_the_batch_its_policy_sampled_next() -> None:
+    found = readings(ROWS, [(0, 0.1), (2, 0.6), (4, 0.3)], "reward", "kl")
+    # after 0 updates: step 1's batch (sqrt of a negative KL: 0); after 2: step 3's; the last: the last batch
+    assert found == [Reading(0, 0.0, 0.0, 0.1), Reading(2, 2.0, 1.0, 0.6), Reading(4, 3.0, 1.5, 0.3)]
+    assert readings([], [(0, 0.1)], "reward", "kl") == []
+
+
+def test_the_audit_names_the_saved_policy_nearest_the_judges_peak_and_its_command() -> None:
+    found = readings(ROWS, [(0, 0.1), (2, 0.6), (4, 0.3)], "reward", "kl")
+    result = audit(found, {1: "out.checkpoints/step-1", 3: "out.checkpoints/step-3"}, 4, "out", "eval {adapter_dir}")
+    assert result is not None and result.peak == Reading(2, 2.0, 1.0, 0.6)
+    # steps 1 and 3 are as near the peak as each other: the earlier, read less far from the reference
+    assert (result.nearest_step, result.nearest, result.nearest_is_output) == (1, "out.checkpoints/step-1", False)
+    assert result.command == "eval out.checkpoints/step-1"
+    # no checkpoint: the run's own output; a peak at the end: the output too
+    assert nearest_saved(2, {}, 4, "out") == (4, "out")
+    assert nearest_saved(4, {2: "c/step-2"}, 4, "out") == (4, "out")
+    assert nearest_saved(3, {2: "c/step-2"}, 6, "out") == (2, "c/step-2")
+    # equal peaks: the earliest, the least KL spent for the same gold score
+    tie = audit([Reading(0, 0, 0, 0.1), Reading(2, 1, 1, 0.5), Reading(4, 2, 2, 0.5)], {}, 4, "out", "{adapter_dir}")
+    assert tie is not None and tie.peak.step == 2
+    assert audit(found[:1], {}, 4, "out", "{adapter_dir}") is None  # one reading: nothing to compare
+
+
+def test_the_report_line_and_the_plot(tmp_path: Path) -> None:
+    found = readings(ROWS, [(0, 0.1), (2, 0.6), (4, 0.3)], "reward", "kl")
+    result = audit(found, {2: "out.checkpoints/step-2"}, 4, "out", "fitrl eval --adapter_dir {adapter_dir}")
+    assert result is not None
+    recorded = result.to_json()
+    assert recorded["peak_step"] == 2 and recorded["final_gold"] == 0.3 and recorded["nearest_is_output"] is False
+    assert figures({DETAILS_KEY: recorded}) == [
+        "over-optimisation audit: the judge peaked at step 2 (0.6 at sqrt KL 2.00), 0.3 at step 4 (sqrt KL 3.00); "
+        "the saved policy nearest the peak, the checkpoint of step 2: `out.checkpoints/step-2`; evaluate it: "
+        "`fitrl eval --adapter_dir out.checkpoints/step-2`"
+    ]
+    assert figures({}) == []
+    plot(result, ROWS, "reward", "kl", "judge", tmp_path / "audit.png")
+    assert (tmp_path / "audit.png").read_bytes()[:4] == b"\x89PNG"
+    assert math.isclose(result.readings[-1].sqrt_kl, 3.0)
