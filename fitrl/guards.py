@@ -355,6 +355,11 @@ class HackingGuard:
                 step,
             )
 
+    def unread(self, step: int) -> bool:
+        """After a first reading, none at `step` yet: the end of a run whose length is not a multiple of the
+        readings' interval (the final policy is read too, for the over-optimisation audit)."""
+        return bool(self.scores) and self.scores[-1][0] != step
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps, so that a resumed run compares against the same first reading."""
         return {"rewards": list(self.rewards), "scores": [list(s) for s in self.scores]}

@@ -3,7 +3,6 @@ batch its policy sampled next, the peak, the saved policy nearest it, its report
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from fitrl.reward.audit import DETAILS_KEY, Reading, audit, figures, nearest_saved, plot, readings
@@ -26,7 +25,8 @@ def test_each_reading_is_set_beside_the_batch_its_policy_sampled_next() -> None:
 
 def test_the_audit_names_the_saved_policy_nearest_the_judges_peak_and_its_command() -> None:
     found = readings(ROWS, [(0, 0.1), (2, 0.6), (4, 0.3)], "reward", "kl")
-    result = audit(found, {1: "out.checkpoints/step-1", 3: "out.checkpoints/step-3"}, 4, "out", "eval {adapter_dir}")
+    saved = {1: "out.checkpoints/step-1", 3: "out.checkpoints/step-3"}
+    result = audit("judge", found, saved, 4, "out", "eval {adapter_dir}")
     assert result is not None and result.peak == Reading(2, 2.0, 1.0, 0.6)
     # steps 1 and 3 are as near the peak as each other: the earlier, read less far from the reference
     assert (result.nearest_step, result.nearest, result.nearest_is_output) == (1, "out.checkpoints/step-1", False)
@@ -36,23 +36,59 @@ def test_the_audit_names_the_saved_policy_nearest_the_judges_peak_and_its_comman
     assert nearest_saved(4, {2: "c/step-2"}, 4, "out") == (4, "out")
     assert nearest_saved(3, {2: "c/step-2"}, 6, "out") == (2, "c/step-2")
     # equal peaks: the earliest, the least KL spent for the same gold score
-    tie = audit([Reading(0, 0, 0, 0.1), Reading(2, 1, 1, 0.5), Reading(4, 2, 2, 0.5)], {}, 4, "out", "{adapter_dir}")
+    tied = [Reading(0, 0, 0, 0.1), Reading(2, 1, 1, 0.5), Reading(4, 2, 2, 0.5)]
+    tie = audit("judge", tied, {}, 4, "out", "{adapter_dir}")
     assert tie is not None and tie.peak.step == 2
-    assert audit(found[:1], {}, 4, "out", "{adapter_dir}") is None  # one reading: nothing to compare
+    assert audit("judge", found[:1], {}, 4, "out", "{adapter_dir}") is None  # one reading: nothing to compare
 
 
 def test_the_report_line_and_the_plot(tmp_path: Path) -> None:
     found = readings(ROWS, [(0, 0.1), (2, 0.6), (4, 0.3)], "reward", "kl")
-    result = audit(found, {2: "out.checkpoints/step-2"}, 4, "out", "fitrl eval --adapter_dir {adapter_dir}")
+    result = audit(
+        "judge's verdict", found, {2: "out.checkpoints/step-2"}, 4, "out", "fitrl eval --adapter_dir {adapter_dir}"
+    )
     assert result is not None
     recorded = result.to_json()
     assert recorded["peak_step"] == 2 and recorded["final_gold"] == 0.3 and recorded["nearest_is_output"] is False
     assert figures({DETAILS_KEY: recorded}) == [
-        "over-optimisation audit: the judge peaked at step 2 (0.6 at sqrt KL 2.00), 0.3 at step 4 (sqrt KL 3.00); "
+        "over-optimisation audit: the judge's verdict peaked at step 2 (0.6 at sqrt KL 2.00), 0.3 at step 4 at sqrt KL "
+        "3.00; "
         "the saved policy nearest the peak, the checkpoint of step 2: `out.checkpoints/step-2`; evaluate it: "
         "`fitrl eval --adapter_dir out.checkpoints/step-2`"
     ]
     assert figures({}) == []
-    plot(result, ROWS, "reward", "kl", "judge", tmp_path / "audit.png")
+    never = audit("judge", [Reading(0, 0.0, 0, 0.5), Reading(2, 1.0, 1, 0.4)], {}, 2, "out", "{adapter_dir}")
+    assert never is not None and figures({DETAILS_KEY: never.to_json()}) == [
+        "over-optimisation audit: the judge never rose above its first reading (0.5, before any update); 0.4 at "
+        "step 2 at sqrt KL 1.00"
+    ]
+    rising = audit(
+        "judge", [Reading(0, 0.0, 0, 0.1), Reading(2, 1.0, 1, 0.4)], {1: "c/step-1"}, 2, "out", "{adapter_dir}"
+    )
+    assert rising is not None and figures({DETAILS_KEY: rising.to_json()}) == [
+        "over-optimisation audit: the judge peaked at its last reading, step 2 (0.4 at sqrt KL 1.00): the run's own "
+        "output `out` is the policy to keep"
+    ]
+    plot(result, ROWS, "reward", "kl", tmp_path / "audit.png")
     assert (tmp_path / "audit.png").read_bytes()[:4] == b"\x89PNG"
-    assert math.isclose(result.readings[-1].sqrt_kl, 3.0)
+
+
+def test_without_a_kl_the_audit_reads_along_the_steps(tmp_path: Path) -> None:
+    """GRPO with beta 0 logs no KL, and every other step (logging_steps 2): a reading takes the first
+    batch logged after it."""
+    rows = [{"step": 2, "reward": 0.2}, {"step": 4, "reward": 0.4}, {"step": 6, "reward": 0.6}]
+    found = readings(rows, [(0, 0.1), (3, 0.5), (6, 0.4)], "reward", None)
+    assert found == [Reading(0, None, 0.2, 0.1), Reading(3, None, 0.4, 0.5), Reading(6, None, 0.6, 0.4)]
+    result = audit("held-out accuracy", found, {}, 6, "out", "fitrl eval_gsm8k --adapter {adapter_dir}")
+    assert result is not None and result.to_json()["readings"][1] == {
+        "step": 3,
+        "sqrt_kl": None,
+        "proxy": 0.4,
+        "gold": 0.5,
+    }
+    assert figures({DETAILS_KEY: result.to_json()})[0].startswith(
+        "over-optimisation audit: the held-out accuracy peaked at step 3 (0.5), 0.4 at step 6; the saved policy "
+        "nearest the peak, the run's own output: `out`"
+    )
+    plot(result, rows, "reward", None, tmp_path / "steps.png")
+    assert (tmp_path / "steps.png").is_file()

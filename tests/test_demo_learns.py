@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from fitrl import demo
 from fitrl.outputs import read_jsonl
+from fitrl.reward.audit import figures as audit_figures
 
 from conftest import CONFIGS, assert_memory_planned_and_measured, bash_pipeline, demo_project, load_run_info, run_script
 
@@ -144,7 +145,7 @@ def test_every_guard_passed_in_the_clean_demo_run_and_the_report_says_so(demo_ru
     assert "fired at step" not in report
     # the reward-hacking guard read its held-out score through the run: at the start and every N steps
     assert load_run_info(demo_run / "ppo")["health"]["reward_hacking"]["saw"].endswith("at steps [0, 20, 40, 60]")
-    assert load_run_info(demo_run / "grpo")["health"]["reward_hacking"]["saw"].endswith("at steps [0, 50, 100]")
+    assert load_run_info(demo_run / "grpo")["health"]["reward_hacking"]["saw"].endswith("at steps [0, 50, 100, 120]")
 
 
 @pytest.mark.slow
@@ -256,13 +257,39 @@ def test_the_reward_pre_flight_flags_cut_responses_and_the_audit_names_the_judge
     peak = max(audit["readings"], key=lambda r: r["gold"])
     assert audit["peak_gold"] == peak["gold"] and audit["nearest_step"] == audit["peak_step"]  # saved every 20
     assert (demo_run / "ppo" / "overoptimisation.png").is_file() and "ppo/overoptimisation.png" in report
-    assert f"the judge peaked at step {audit['peak_step']}" in report and audit["command"] in report
+    assert audit_figures({"overoptimisation": audit})[0] in report  # its line: the peak, the policy, the command
     fitrl, *args = audit["command"].split()
     assert fitrl == "fitrl" and args[0] == "eval"
     evaluated = run_script("eval.py", *args[1:], "--n_prompts", "8", cwd=project)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     evaluation = json.loads((project / args[args.index("--output_dir") + 1] / "eval.json").read_text())
     assert evaluation["adapter_dir"] == audit["nearest"] and evaluation["n_prompts"] == 8
+
+
+@pytest.mark.slow
+def test_grpos_audit_names_the_checkpoint_nearest_the_held_out_peak_and_its_command_evaluates_it(
+    demo_run: Path,
+) -> None:
+    """GRPO's over-optimisation audit: the held-out accuracy readings (steps 0, 50, 100 and the end, 120)
+    beside the training reward, along the steps (beta 0: trl logs no KL), and the saved policy nearest
+    their peak among the checkpoints of every 50 steps and the output."""
+    project = demo_run.parents[1]
+    audit = load_run_info(demo_run / "grpo")["overoptimisation"]
+    readings = audit["readings"]
+    assert [r["step"] for r in readings] == [0, 50, 100, 120] and all(r["sqrt_kl"] is None for r in readings)
+    assert audit["peak_gold"] == max(r["gold"] for r in readings)
+    saved = {50: "checkpoint-50", 100: "checkpoint-100", 120: None}
+    nearest = min(saved, key=lambda s: (abs(s - audit["peak_step"]), s))
+    assert audit["nearest_step"] == nearest and audit["nearest_is_output"] == (nearest == 120)
+    assert audit["nearest"].endswith(saved[nearest] or "grpo")
+    report = (demo_run / "report.md").read_text()
+    assert "grpo/overoptimisation.png" in report and (demo_run / "grpo" / "overoptimisation.png").is_file()
+    fitrl, *args = audit["command"].split()
+    assert fitrl == "fitrl" and args[0] == "eval_gsm8k"
+    evaluated = run_script("eval_gsm8k.py", *args[1:], "--max_samples", "16", "--compare_to_base", "false", cwd=project)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    summary = json.loads((project / args[args.index("--output_dir") + 1] / "summary.json").read_text())
+    assert summary["problems"] == 16 and summary["adapter"] == audit["nearest"]
 
 
 @pytest.mark.slow

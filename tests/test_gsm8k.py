@@ -219,6 +219,8 @@ def test_grpo_resumes_from_a_checkpoint(grpo_smoke: Path, demo_assets: Path, tmp
         "0",
         "--max_steps",
         "4",
+        "--save_steps",
+        "0",
     )
     assert result.returncode == 0, result.stderr[-4000:]
     rows = read_jsonl(out / "metrics.jsonl")
@@ -515,11 +517,12 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(tmp_path: Path, 
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if "reward" in r] == list(range(1, step + 2))
-    # the held-out guard read at the start only, as an uninterrupted run would: not again at the resume
+    # the held-out guard read at the start, as an uninterrupted run would (not again at the resume), and the
+    # final policy at the end (outside metrics.jsonl: no step is logged after it)
     assert [r["step"] for r in rows if "heldout/accuracy" in r] == [1]
     info = json.loads((out / "run_info.json").read_text())
     assert info["resumed_from"].endswith(f"checkpoint-{step}")
-    assert info["health"]["reward_hacking"]["saw"].endswith("at steps [0]")
+    assert info["health"]["reward_hacking"]["saw"].endswith(f"at steps [0, {step + 1}]")
 
 
 @pytest.fixture

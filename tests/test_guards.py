@@ -236,6 +236,8 @@ def test_the_hacking_guard_fires_when_the_held_out_score_falls_as_the_reward_ris
     falling.score(10, 0.1)
     falling.finish()
     assert calm.seen["reward_hacking"] == {"passed": True, "saw": "x 30% -> 10% at steps [0, 10]"}
+    # a run's end is read unless its last reading was at that step (a run of 10 steps, read every 10)
+    assert falling.unread(12) and not falling.unread(10) and not HackingGuard(Health(), "x", 0.1, "").unread(0)
 
 
 def _word_tokenizer(words: list[str], max_length: int = 512) -> object:

@@ -4,12 +4,14 @@ to the reference, and where the gold reading peaked.
 
 Past some distance from the reference a proxy reward keeps rising while the gold reading turns down:
 the policy has found what the proxy pays for and the task does not. PPO's gold reading is its second
-judge (`guard_judge_model`) on held-out prompts, read every `guard_judge_every` steps. The audit names
-the saved policy nearest the judge's peak (a checkpoint `step-N`, or the run's own output when the peak
-is at its end) and the command that evaluates it, so the better policy stays one command away.
+judge (`guard_judge_model`) on held-out prompts, GRPO's its greedy accuracy on held-out problems, each
+read at the start, every few steps and at the end (the reward-hacking guard's readings). trl logs a
+KL only with `beta` > 0; without it the audit reads along the steps instead. The audit names the saved
+policy nearest the gold reading's peak (a checkpoint, or the run's own output when the peak is at its
+end) and the command that evaluates it, so the better policy stays one command away.
 
-Each reading is set beside the batch its policy sampled next (a reading after step s: step s + 1's
-batch, whose KL and mean reward that policy produced; the last reading: the last batch).
+Each reading is set beside the batch its policy sampled next (a reading after step s: the first batch
+logged after it, whose KL and mean reward that policy produced; past the last logged batch, the last).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class Reading:
     and the gold score."""
 
     step: int
-    sqrt_kl: float
+    sqrt_kl: float | None  # None: no KL logged (GRPO with beta 0)
     proxy: float
     gold: float
 
@@ -39,6 +41,7 @@ class Reading:
 class Audit:
     """The readings, the one where the gold score peaked, and the saved policy nearest it."""
 
+    gold_name: str  # what the gold reading is, as the plot and the report name it
     readings: list[Reading]
     peak: Reading
     nearest_step: int
@@ -48,8 +51,14 @@ class Audit:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "gold_name": self.gold_name,
             "readings": [
-                {"step": r.step, "sqrt_kl": round(r.sqrt_kl, 4), "proxy": round(r.proxy, 4), "gold": round(r.gold, 4)}
+                {
+                    "step": r.step,
+                    "sqrt_kl": None if r.sqrt_kl is None else round(r.sqrt_kl, 4),
+                    "proxy": round(r.proxy, 4),
+                    "gold": round(r.gold, 4),
+                }
                 for r in self.readings
             ],
             "peak_step": self.peak.step,
@@ -66,30 +75,36 @@ def _sqrt_kl(kl: float) -> float:
     return math.sqrt(max(kl, 0.0))  # PPO's sampled KL estimate can dip below 0 near the reference
 
 
+def _logged(rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows that hold a number under every key, by step."""
+    found = [r for r in rows if all(isinstance(r.get(k), (int, float)) for k in ["step", *keys])]
+    return sorted(found, key=lambda r: r["step"])
+
+
 def readings(rows: Sequence[dict[str, Any]], gold: Sequence[tuple[int, float]], proxy_key: str,
-             kl_key: str) -> list[Reading]:  # fmt: skip
-    """Each gold reading `(step, score)` beside the KL and proxy reward of the batch its policy sampled next."""
-    by_step = {int(r["step"]): r for r in rows if isinstance(r.get(kl_key), (int, float))}
-    if not by_step:
+             kl_key: str | None) -> list[Reading]:  # fmt: skip
+    """Each gold reading `(step, score)` beside the KL (`kl_key`; None: not logged) and the proxy reward of
+    the first batch logged after it (past the last, the last)."""
+    logged = _logged(rows, [proxy_key, *([kl_key] if kl_key else [])])
+    if not logged:
         return []
-    last = max(by_step)
     found = []
     for step, score in gold:
-        row = by_step.get(min(step + 1, last))
-        if row is not None:
-            found.append(Reading(step, _sqrt_kl(row[kl_key]), float(row[proxy_key]), score))
+        row = next((r for r in logged if r["step"] > step), logged[-1])
+        sqrt_kl = _sqrt_kl(row[kl_key]) if kl_key else None
+        found.append(Reading(step, sqrt_kl, float(row[proxy_key]), score))
     return found
 
 
 def nearest_saved(peak_step: int, saved: dict[int, str], final_step: int, output_dir: str) -> tuple[int, str]:
     """The saved policy nearest `peak_step`: a checkpoint in `saved` (step: directory), or the run's output
-    (`final_step`); at equal distance the earlier, the one the judge read less far along."""
+    (`final_step`); at equal distance the earlier, the one read less far along."""
     candidates = {**saved, final_step: output_dir}
     step = min(candidates, key=lambda s: (abs(s - peak_step), s))
     return step, candidates[step]
 
 
-def audit(found: list[Reading], saved: dict[int, str], final_step: int, output_dir: str,
+def audit(gold_name: str, found: list[Reading], saved: dict[int, str], final_step: int, output_dir: str,
           evaluate: str) -> Audit | None:  # fmt: skip
     """The audit of `found` (None with fewer than two readings); `evaluate` is the evaluation command,
     given the directory to read as `{adapter_dir}`."""
@@ -97,35 +112,37 @@ def audit(found: list[Reading], saved: dict[int, str], final_step: int, output_d
         return None
     peak = max(found, key=lambda r: (r.gold, -r.step))  # the earliest of equal peaks: the least KL spent
     step, directory = nearest_saved(peak.step, saved, final_step, output_dir)
-    return Audit(found, peak, step, directory, directory == output_dir, evaluate.format(adapter_dir=directory))
+    command = evaluate.format(adapter_dir=directory)
+    return Audit(gold_name, found, peak, step, directory, directory == output_dir, command)
 
 
-def plot(result: Audit, rows: Sequence[dict[str, Any]], proxy_key: str, kl_key: str, gold_name: str,
-         path: Path) -> None:  # fmt: skip
-    """The proxy reward at every step and the gold readings against sqrt(KL), the peak marked."""
+def plot(result: Audit, rows: Sequence[dict[str, Any]], proxy_key: str, kl_key: str | None, path: Path) -> None:
+    """The proxy reward at every logged step and the gold readings against sqrt(KL) (without a KL: the
+    step), the peak marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r for r in rows if isinstance(r.get(kl_key), (int, float)) and isinstance(r.get(proxy_key), (int, float))]
+    logged = _logged(rows, [proxy_key, *([kl_key] if kl_key else [])])
+    at = (lambda r: _sqrt_kl(r[kl_key])) if kl_key else (lambda r: r["step"])
+    gold_at = [r.sqrt_kl if kl_key else r.step for r in result.readings]
     fig, proxy_ax = plt.subplots(figsize=(6.5, 4))
-    proxy_ax.plot([_sqrt_kl(r[kl_key]) for r in steps], [r[proxy_key] for r in steps], ".", color="tab:blue",
-                  alpha=0.5, label="proxy reward (each step)")  # fmt: skip
-    proxy_ax.set_xlabel("sqrt(KL to the reference), nats^0.5")
+    proxy_ax.plot([at(r) for r in logged], [r[proxy_key] for r in logged], ".", color="tab:blue", alpha=0.5,
+                  label="proxy reward (each logged step)")  # fmt: skip
+    proxy_ax.set_xlabel("sqrt(KL to the reference), nats^0.5" if kl_key else "step (no KL logged)")
     proxy_ax.set_ylabel("proxy reward", color="tab:blue")
     gold_ax = proxy_ax.twinx()
-    gold_ax.plot([r.sqrt_kl for r in result.readings], [r.gold for r in result.readings], "o-", color="tab:red",
-                 label=gold_name)  # fmt: skip
-    for r in result.readings:
-        gold_ax.annotate(f"step {r.step}", (r.sqrt_kl, r.gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    gold_ax.axvline(result.peak.sqrt_kl, color="tab:red", linestyle=":", linewidth=1)
-    gold_ax.set_ylabel(gold_name, color="tab:red")
-    proxy_ax.set_title(f"Over-optimisation audit: the judge peaked at step {result.peak.step}")
+    gold_ax.plot(gold_at, [r.gold for r in result.readings], "o-", color="tab:red", label=result.gold_name)
+    for x, r in zip(gold_at, result.readings):
+        gold_ax.annotate(f"step {r.step}", (x, r.gold), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    gold_ax.axvline(gold_at[result.readings.index(result.peak)], color="tab:red", linestyle=":", linewidth=1)
+    gold_ax.set_ylabel(result.gold_name, color="tab:red")
+    proxy_ax.set_title(f"Over-optimisation audit: {result.gold_name} peaked at step {result.peak.step}", fontsize=10)
     handles = [h for ax in (proxy_ax, gold_ax) for h in ax.get_legend_handles_labels()[0]]
-    proxy_ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    labels = [h.get_label() for h in handles]
+    proxy_ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legend sits below the axes, clear of the points
     plt.close(fig)
 
 
@@ -136,9 +153,24 @@ def figures(details: dict[str, Any]) -> list[str]:
         return []
     last = found["readings"][-1]
     peak = next(r for r in found["readings"] if r["step"] == found["peak_step"])
+
+    def at(r: dict[str, Any]) -> str:
+        return "" if r["sqrt_kl"] is None else f" at sqrt KL {r['sqrt_kl']:.2f}"
+
     where = "the run's own output" if found["nearest_is_output"] else f"the checkpoint of step {found['nearest_step']}"
+    if peak["step"] == 0:  # no update raised it: no saved policy is nearer the peak than the reference itself
+        return [
+            f"over-optimisation audit: the {found['gold_name']} never rose above its first reading "
+            f"({peak['gold']:.3g}, before any update); {last['gold']:.3g} at step {last['step']}{at(last)}"
+        ]
+    if peak is last:
+        return [
+            f"over-optimisation audit: the {found['gold_name']} peaked at its last reading, step {peak['step']} "
+            f"({peak['gold']:.3g}{at(peak)}): the run's own output `{found['nearest']}` is the policy to keep"
+        ]
     return [
-        f"over-optimisation audit: the judge peaked at step {peak['step']} ({peak['gold']:.3g} at sqrt KL "
-        f"{peak['sqrt_kl']:.2f}), {last['gold']:.3g} at step {last['step']} (sqrt KL {last['sqrt_kl']:.2f}); "
-        f"the saved policy nearest the peak, {where}: `{found['nearest']}`; evaluate it: `{found['command']}`"
+        f"over-optimisation audit: the {found['gold_name']} peaked at step {peak['step']} "
+        f"({peak['gold']:.3g}{at(peak)}), {last['gold']:.3g} at step {last['step']}{at(last)}; the saved policy "
+        f"nearest the peak, {where}: "
+        f"`{found['nearest']}`; evaluate it: `{found['command']}`"
     ]

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fitrl.checkpoints import checkpoint_root, resume_checkpoint
+from fitrl.checkpoints import checkpoint_root, complete_checkpoints, resume_checkpoint
 from fitrl.config import UsageError, config_dict, first_line
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
@@ -65,7 +65,7 @@ from fitrl.modeling import (
 from fitrl.outputs import check_output_dir, staged_output_dir
 from fitrl.planner import planned_peak_mb
 from fitrl.process import entrypoint
-from fitrl.reward import probes
+from fitrl.reward import audit, probes
 from fitrl.reward.functions import Checked, format_only, reward_functions, trl_keywords
 from fitrl.rollout import complete_chats
 from fitrl.stages.grpo import REPETITION_KEY, STAGE, GRPOArguments, monitors
@@ -111,6 +111,7 @@ class Run(TrainerRun):
     checkpoints_existed: bool
     training_args: Any = None  # trl's GRPOConfig
     heldout: Any = None  # the problems the reward-hacking guard grades (None: that guard is off)
+    heldout_readings: HeldoutReadings | None = None  # that guard's readings, which the audit reads too
     shown: Any = None  # the problems whose greedy completions are shown before and after
     samples_before: list[str] = field(default_factory=list)
 
@@ -237,6 +238,8 @@ def finish(run: Run) -> None:
     first, last = (sum(rewards[:k]) / k, sum(rewards[-k:]) / k) if rewards else (0.0, 0.0)
     shown = zip(run.shown["question"], run.shown["gold"], run.samples_before, after)
     rows = [{"question": q, "gold": g, "before": b, "after": a} for q, g, b, a in shown]
+    with run.health.timed():  # counted in guard_seconds with the guards' own work
+        audited = overoptimisation(run)
     end = TrainingEnd(
         stage=STAGE.name,
         configs=run.configs,
@@ -254,10 +257,40 @@ def finish(run: Run) -> None:
         summary=f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k}) in {args.output_dir}",
         resumed_from=run.resume,
         health=run.health,
-        details=run.details,
+        details={**run.details, **({audit.DETAILS_KEY: audited} if audited is not None else {})},
         samples=(STAGE.samples, samples_markdown("Greedy completions before and after GRPO", {"samples": rows})),
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
+
+
+def overoptimisation(run: Run) -> dict[str, Any] | None:
+    """The over-optimisation audit (`fitrl.reward.audit`) of the held-out accuracy readings beside the
+    training reward (against sqrt KL where trl logs one: `beta` > 0), its plot written into the output; the
+    saved policy nearest the peak among this run's checkpoints (every `save_steps`) and its output."""
+    args = run.args
+    if run.heldout_readings is None:
+        return None
+    guard = run.heldout_readings.guard
+    rows, final = run.metrics.rows, run.trainer.state.global_step
+    kl = "kl" if any(isinstance(r.get("kl"), (int, float)) for r in rows) else None
+    readings = audit.readings(rows, guard.scores, "reward", kl)
+    given = Path(args.output_dir)
+    found = complete_checkpoints(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
+    shown = given.with_name(given.name + ".checkpoints")  # as the user named the output
+    saved = {
+        n: str(shown / p.name) for n, p in found.items() if args.save_steps and n % args.save_steps == 0 and n <= final
+    }
+    command = (
+        f"fitrl eval_gsm8k --adapter {{adapter_dir}} --output_dir {given.with_name(given.name + '_peak_eval')} "
+        f"--max_new_tokens {args.max_completion_length}"
+    )
+    gold = f"held-out accuracy (greedy, {len(run.heldout['prompt'])} problems)"
+    result = audit.audit(gold, readings, saved, final, str(given), command)
+    if result is None:
+        return None
+    if run.is_main:
+        audit.plot(result, rows, "reward", kl, run.out / audit.PLOT)
+    return result.to_json()
 
 
 def log_repetition(completion_ids: list[list[int]], log_metric: Any, health: Health) -> None:
@@ -347,47 +380,68 @@ def restore_heldout(guard: HackingGuard, resume: str | None) -> bool:
     return True
 
 
+class HeldoutReadings:
+    """The reward-hacking guard's held-out accuracy (greedy) at the start, every `guard_heldout_every`
+    steps and at the end, against the logged training reward; each reading but the end's logged as
+    `heldout/accuracy` with its step's row (no row is logged after the end)."""
+
+    def __init__(self, run: Run) -> None:
+        args = run.args
+        self.run, self.every = run, args.guard_heldout_every
+        self.guard = HackingGuard(
+            run.health, "held-out accuracy", args.guard_heldout_drop, "check what the rewards pay for, or set beta > 0"
+        )
+        self.size = heldout_batch(args, run.training_args.world_size)
+        self.pending: float | None = None  # measured at a step's end, logged with that step's row
+
+    def measure(self, model: Any, step: int) -> None:
+        with self.run.health.timed():
+            self.pending = heldout_accuracy(self.run, model, self.size)
+            self.guard.score(step, self.pending)
+
+    def begin(self, model: Any, step: int) -> None:
+        if not restore_heldout(self.guard, self.run.resume):
+            self.measure(model, step)
+
+    def step_end(self, model: Any, step: int) -> None:
+        if step % self.every == 0:
+            self.measure(model, step)
+
+    def log(self, logs: dict | None) -> None:
+        if "reward" in (logs or {}):
+            self.guard.reward(logs["reward"])
+            if self.pending is not None:
+                logs["heldout/accuracy"], self.pending = self.pending, None
+
+    def end(self, model: Any, step: int) -> None:
+        if self.guard.unread(step):
+            self.measure(model, step)
+        self.guard.finish()
+
+
 def heldout_callback(run: Run) -> Any:
-    """The reward-hacking guard on trl's loop: held-out accuracy (greedy) at the start and every
-    `guard_heldout_every` steps, logged as `heldout/accuracy`, against the logged training reward."""
+    """`HeldoutReadings` on trl's loop; each checkpoint keeps its readings so far (`HELDOUT_STATE`)."""
     from transformers import TrainerCallback
 
-    args = run.args
-    guard = HackingGuard(
-        run.health, "held-out accuracy", args.guard_heldout_drop, "check what the rewards pay for, or set beta > 0"
-    )
-
-    size = heldout_batch(args, run.training_args.world_size)
+    readings = run.heldout_readings = HeldoutReadings(run)
 
     class _Heldout(TrainerCallback):
-        pending: float | None = None  # measured at a step's end, logged with that step's row
-
-        def measure(self, model: Any, step: int) -> None:
-            with run.health.timed():
-                self.pending = heldout_accuracy(run, model, size)
-                guard.score(step, self.pending)
-
         def on_train_begin(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if not restore_heldout(guard, run.resume):
-                self.measure(model, state.global_step)
+            readings.begin(model, state.global_step)
 
         def on_save(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
             if state.is_world_process_zero:  # before the checkpoint's last file (`checkpoint_extras`)
                 path = Path(args_.output_dir) / f"checkpoint-{state.global_step}" / HELDOUT_STATE
-                path.write_text(json.dumps(guard.state_dict()))
+                path.write_text(json.dumps(readings.guard.state_dict()))
 
         def on_step_end(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if state.global_step % args.guard_heldout_every == 0:
-                self.measure(model, state.global_step)
+            readings.step_end(model, state.global_step)
 
         def on_log(self, args_: Any, state: Any, control: Any, logs: dict | None = None, **kw: Any) -> None:
-            if logs is not None and "reward" in logs:
-                guard.reward(logs["reward"])
-                if self.pending is not None:
-                    logs["heldout/accuracy"], self.pending = self.pending, None
+            readings.log(logs)
 
-        def on_train_end(self, args_: Any, state: Any, control: Any, **kw: Any) -> None:
-            guard.finish()
+        def on_train_end(self, args_: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            readings.end(model, state.global_step)
 
     return _Heldout()
 

@@ -332,12 +332,12 @@ def overoptimisation(run: Run) -> dict[str, Any] | None:
         f"fitrl eval --adapter_dir {{adapter_dir}} --output_dir {given.with_name(given.name + '_peak_eval')} "
         f"--judge_model {args.guard_judge_model} --judge_positive_label {args.guard_judge_positive_label}"
     )
-    result = audit.audit(readings, saved, final, str(given), command)
+    gold = f"judge's mean verdict ({args.guard_judge_model})"
+    result = audit.audit(gold, readings, saved, final, str(given), command)
     if result is None:
         return None
     if run.accelerator.is_main_process:
-        gold = f"judge ({args.guard_judge_model}): mean verdict"
-        audit.plot(result, rows, metrics.REWARD_MEAN, metrics.KL, gold, run.out / audit.PLOT)
+        audit.plot(result, rows, metrics.REWARD_MEAN, metrics.KL, run.out / audit.PLOT)
     return result.to_json()
 
 
@@ -351,8 +351,12 @@ def finish(run: Run) -> None:
         raise RunFailed("a frozen base weight changed during PPO: the reference model is no longer the reference")
     trainer.monitors.finish()
     if run.hacking is not None:
+        if run.hacking.unread(trainer.state.step):
+            with run.health.timed():
+                judge_reading(run, trainer.state.step)
         run.hacking.finish()
-    audited = overoptimisation(run)
+    with run.health.timed():  # counted in guard_seconds with the guards' own work
+        audited = overoptimisation(run)
     rows = trainer.state.metrics
     rewards = [r[metrics.REWARD_MEAN] for r in rows]
     start, end = start_end(rewards)  # the report's reading: means of the first and last few steps

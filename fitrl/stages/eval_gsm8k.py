@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fitrl.artifacts import GSM8KSummary, carved_note
-from fitrl.config import check, help_field
+from fitrl.config import check, config_of, help_field, load_run_config, parse_config
 from fitrl.data import HELDOUT_SPLIT
 from fitrl.demo import DemoArguments
 from fitrl.modeling import ModelArguments
-from fitrl.stages.base import Stage
+from fitrl.stages.base import Stage, field_names
 from fitrl.tasks.gsm8k import GSM8KDataArguments
 
 
@@ -21,7 +21,9 @@ from fitrl.tasks.gsm8k import GSM8KDataArguments
 class GSM8KEvalArguments:
     """What to evaluate and how to decode."""
 
-    adapter: str | None = help_field(None, "LoRA adapter directory (a GRPO output) on the model; null: none.")
+    adapter: str | None = help_field(
+        None, "LoRA adapter directory (a GRPO output, or one of its checkpoints) on the model; null: none."
+    )
     output_dir: str = help_field("outputs/eval_gsm8k", "Where completions.jsonl and summary.json go.")
     overwrite_output_dir: bool = help_field(False, "Replace a non-empty output_dir.")
     num_samples: int = help_field(
@@ -56,6 +58,16 @@ class GSM8KEvalArguments:
 CONFIG_TYPES = (ModelArguments, GSM8KDataArguments, GSM8KEvalArguments, DemoArguments)
 
 
+def trained_settings(argv: list[str]) -> dict:
+    """Held-out problems (`test`, unless set), and where the adapter's run wrote a `run_config.yaml` (a
+    GRPO output or checkpoint), the model and problem settings it trained with: the evaluation prompts
+    as the policy was trained to, unless the config or a flag says otherwise."""
+    adapter = config_of(parse_config(CONFIG_TYPES, argv), GSM8KEvalArguments).adapter
+    trained = {} if adapter in (None, "", "null", "none") else load_run_config(Path(adapter).expanduser())
+    inherited = field_names(ModelArguments, GSM8KDataArguments) - {"dataset_split", "max_samples"}
+    return {"dataset_split": HELDOUT_SPLIT} | {k: v for k, v in trained.items() if k in inherited}
+
+
 def figures(out: Path) -> list[str]:
     summary = GSM8KSummary.read(out)
     if summary is None:
@@ -81,5 +93,5 @@ STAGE = Stage(
     output_dir="eval_gsm8k",
     figures=figures,
     reads=("adapter", "grpo"),
-    inherited=lambda argv: {"dataset_split": HELDOUT_SPLIT},  # an evaluation reads held-out problems
+    inherited=trained_settings,
 )

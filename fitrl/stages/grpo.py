@@ -15,7 +15,7 @@ from fitrl.config import UsageError, check, help_field
 from fitrl.demo import DemoArguments
 from fitrl.guards import Limit
 from fitrl.modeling import GRPO_LORA_TARGETS, LoraArguments, ModelArguments
-from fitrl.reward import probes
+from fitrl.reward import audit, probes
 from fitrl.reward.functions import DEFAULT_REWARDS
 from fitrl.stages.base import (
     Configs,
@@ -228,7 +228,7 @@ def figures(out: Path) -> list[str]:
         a0, a1 = start_end(accuracy)
         found.append(f"accuracy reward {a0:.3f} -> {a1:.3f}")
     info = RunInfo.read(out)
-    return found + (probes.figures(info.details) if info is not None else [])
+    return found + ([*probes.figures(info.details), *audit.figures(info.details)] if info is not None else [])
 
 
 STAGE = Stage(
@@ -247,5 +247,6 @@ STAGE = Stage(
         shape_moves=shape_moves,
     ),
     plot="grpo_curves.png",
+    more_plots=(audit.PLOT,),
     samples="samples.md",
 )
