@@ -5,7 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fitrl.reward.audit import DETAILS_KEY, Reading, audit, figures, nearest_saved, plot, readings
+from fitrl.reward.audit import (
+    DETAILS_KEY,
+    Reading,
+    audit,
+    figures,
+    nearest_saved,
+    peak_eval_dir,
+    plot,
+    readings,
+    saved_policies,
+)
 
 # Step s's batch was sampled by the policy after s - 1 updates; its KL and mean reward.
 ROWS = [
@@ -92,3 +102,17 @@ def test_without_a_kl_the_audit_reads_along_the_steps(tmp_path: Path) -> None:
     )
     plot(result, rows, "reward", None, tmp_path / "steps.png")
     assert (tmp_path / "steps.png").is_file()
+
+
+def test_the_saved_policies_are_this_runs_complete_checkpoints(tmp_path: Path) -> None:
+    out = tmp_path / "ppo"
+    for step, complete in [(20, True), (30, True), (40, False), (80, True)]:
+        checkpoint = tmp_path / "ppo.checkpoints" / f"step-{step}"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "trainer_state.json").write_text("{}")
+        if complete:
+            (checkpoint / "run_config.yaml").write_text("{}")
+    # step-30: an earlier run's (not every 20 steps); step-40: a save cut off; step-80: past this run's end
+    assert saved_policies(str(out), "step", 20, 60) == {20: str(tmp_path / "ppo.checkpoints" / "step-20")}
+    assert saved_policies(str(out), "step", 0, 60) == {}  # no save_steps: none of them is this run's
+    assert peak_eval_dir(str(out)) == str(tmp_path / "ppo_peak_eval")

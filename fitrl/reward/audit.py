@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fitrl.checkpoints import checkpoint_root, complete_checkpoints
+
 DETAILS_KEY = "overoptimisation"  # where run_info.json holds the audit (`Audit.to_json`)
 PLOT = "overoptimisation.png"
 
@@ -94,6 +96,21 @@ def readings(rows: Sequence[dict[str, Any]], gold: Sequence[tuple[int, float]], 
         sqrt_kl = _sqrt_kl(row[kl_key]) if kl_key else None
         found.append(Reading(step, sqrt_kl, float(row[proxy_key]), score))
     return found
+
+
+def saved_policies(output_dir: str, prefix: str, save_steps: int, final_step: int) -> dict[int, str]:
+    """This run's complete checkpoints (`<prefix>-N` every `save_steps`, up to `final_step`; an earlier run's
+    beside them are left out), by step, named from `output_dir` as the user gave it."""
+    given = Path(output_dir)
+    shown = given.with_name(given.name + ".checkpoints")
+    found = complete_checkpoints(checkpoint_root(output_dir), prefix)
+    return {n: str(shown / p.name) for n, p in found.items() if save_steps and n % save_steps == 0 and n <= final_step}
+
+
+def peak_eval_dir(output_dir: str) -> str:
+    """Where the evaluation the audit's command runs writes: beside the run's output."""
+    given = Path(output_dir)
+    return str(given.with_name(given.name + "_peak_eval"))
 
 
 def nearest_saved(peak_step: int, saved: dict[int, str], final_step: int, output_dir: str) -> tuple[int, str]:

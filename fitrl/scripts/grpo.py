@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from fitrl.checkpoints import checkpoint_root, complete_checkpoints, resume_checkpoint
+from fitrl.checkpoints import checkpoint_root, resume_checkpoint
 from fitrl.config import UsageError, config_dict, first_line
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only
@@ -274,18 +274,13 @@ def overoptimisation(run: Run) -> dict[str, Any] | None:
     rows, final = run.metrics.rows, run.trainer.state.global_step
     kl = "kl" if any(isinstance(r.get("kl"), (int, float)) for r in rows) else None
     readings = audit.readings(rows, guard.scores, "reward", kl)
-    given = Path(args.output_dir)
-    found = complete_checkpoints(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
-    shown = given.with_name(given.name + ".checkpoints")  # as the user named the output
-    saved = {
-        n: str(shown / p.name) for n, p in found.items() if args.save_steps and n % args.save_steps == 0 and n <= final
-    }
+    saved = audit.saved_policies(args.output_dir, STAGE.checkpoint_prefix, args.save_steps, final)
     command = (
-        f"fitrl eval_gsm8k --adapter {{adapter_dir}} --output_dir {given.with_name(given.name + '_peak_eval')} "
+        f"fitrl eval_gsm8k --adapter {{adapter_dir}} --output_dir {audit.peak_eval_dir(args.output_dir)} "
         f"--max_new_tokens {args.max_completion_length}"
     )
     gold = f"held-out accuracy (greedy, {len(run.heldout['prompt'])} problems)"
-    result = audit.audit(gold, readings, saved, final, str(given), command)
+    result = audit.audit(gold, readings, saved, final, args.output_dir, command)
     if result is None:
         return None
     if run.is_main:

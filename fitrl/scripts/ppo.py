@@ -30,7 +30,7 @@ import torch
 
 from fitrl import signals
 from fitrl.artifacts import RunInfo
-from fitrl.checkpoints import checkpoint_root, complete_checkpoints, latest_checkpoint, resume_checkpoint
+from fitrl.checkpoints import checkpoint_root, latest_checkpoint, resume_checkpoint
 from fitrl.config import RunFailed, Terminated, UsageError, config_dict
 from fitrl.demo import DemoArguments
 from fitrl.distributed import cpu_only, sharded_launch, tensor_digest
@@ -322,18 +322,13 @@ def overoptimisation(run: Run) -> dict[str, Any] | None:
     args, trainer = run.args, run.trainer
     rows, final = trainer.state.metrics, trainer.state.step
     readings = audit.readings(rows, run.hacking.scores, metrics.REWARD_MEAN, metrics.KL)
-    given = Path(args.output_dir)
-    found = complete_checkpoints(checkpoint_root(args.output_dir), STAGE.checkpoint_prefix)
-    shown = given.with_name(given.name + ".checkpoints")  # as the user named the output
-    saved = {
-        n: str(shown / p.name) for n, p in found.items() if args.save_steps and n % args.save_steps == 0 and n <= final
-    }
+    saved = audit.saved_policies(args.output_dir, STAGE.checkpoint_prefix, args.save_steps, final)
     command = (
-        f"fitrl eval --adapter_dir {{adapter_dir}} --output_dir {given.with_name(given.name + '_peak_eval')} "
+        f"fitrl eval --adapter_dir {{adapter_dir}} --output_dir {audit.peak_eval_dir(args.output_dir)} "
         f"--judge_model {args.guard_judge_model} --judge_positive_label {args.guard_judge_positive_label}"
     )
     gold = f"judge's mean verdict ({args.guard_judge_model})"
-    result = audit.audit(gold, readings, saved, final, str(given), command)
+    result = audit.audit(gold, readings, saved, final, args.output_dir, command)
     if result is None:
         return None
     if run.accelerator.is_main_process:
