@@ -184,19 +184,21 @@ class Findings:
 def run_probes(score: Scorer, queries: Sequence[str], references: Sequence[str], negations: bool,
                answer_format: bool) -> Findings:  # fmt: skip
     """Score the reference completions and every probe (`probe_completions`) with `score`; for prose, the
-    references cut mid-sentence beside themselves ended at their last sentence end (`Cut`)."""
-    ref = score(list(range(len(references))), list(references))
+    references cut mid-sentence beside themselves ended at their last sentence end (`Cut`). One call of
+    `score` for them all: a reward model scores them in as few batches as they fill."""
+    groups = {"": list(enumerate(references)), **probe_completions(queries, references, negations, answer_format)}
+    pairs = [] if answer_format else [(i, e) for i, r in enumerate(references) if (e := finished(r)) is not None]
+    flat = [item for items in [*groups.values(), pairs] for item in items]
+    values = iter(score([i for i, _ in flat], [t for _, t in flat]))
+    scored = {kind: [next(values) for _ in items] for kind, items in groups.items()}
+    ended = [next(values) for _ in pairs]
+    ref = scored.pop("")
     median = statistics.median(ref)
-    shares, means, counts = {}, {}, {}
-    for kind, items in probe_completions(queries, references, negations, answer_format).items():
-        values = score([i for i, _ in items], [t for _, t in items])
-        shares[kind] = sum(v > median for v in values) / len(values)
-        means[kind] = statistics.fmean(values)
-        counts[kind] = len(values)
+    shares = {kind: sum(v > median for v in got) / len(got) for kind, got in scored.items()}
+    means = {kind: statistics.fmean(got) for kind, got in scored.items()}
+    counts = {kind: len(got) for kind, got in scored.items()}
     cut = None
     if not answer_format:
-        pairs = [(i, e) for i, r in enumerate(references) if (e := finished(r)) is not None]
-        ended = score([i for i, _ in pairs], [e for _, e in pairs]) if pairs else []
         shifts = [abs(ref[i] - v) for (i, _), v in zip(pairs, ended)]
         cut = Cut(len(pairs), len(references), statistics.median(shifts) if shifts else 0.0, _median_gap(ref))
     return Findings(len(references), median, shares, means, counts, cut)

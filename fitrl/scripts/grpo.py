@@ -240,6 +240,8 @@ def finish(run: Run) -> None:
     rows = [{"question": q, "gold": g, "before": b, "after": a} for q, g, b, a in shown]
     with run.health.timed():  # counted in guard_seconds with the guards' own work
         audited = overoptimisation(run)
+    if audited is not None and run.is_main:  # a report figure, drawn (untimed) as the curves are
+        audit.plot(audited, run.metrics.rows, "reward", audit_kl(run.metrics.rows), run.out / audit.PLOT)
     end = TrainingEnd(
         stage=STAGE.name,
         configs=run.configs,
@@ -257,22 +259,27 @@ def finish(run: Run) -> None:
         summary=f"GRPO done: mean reward {first:.3f} (first {k} logs) -> {last:.3f} (last {k}) in {args.output_dir}",
         resumed_from=run.resume,
         health=run.health,
-        details={**run.details, **({audit.DETAILS_KEY: audited} if audited is not None else {})},
+        details={**run.details, **({audit.DETAILS_KEY: audited.to_json()} if audited is not None else {})},
         samples=(STAGE.samples, samples_markdown("Greedy completions before and after GRPO", {"samples": rows})),
     )
     finish_training(end, run.out, trainer.is_world_process_zero())
 
 
-def overoptimisation(run: Run) -> dict[str, Any] | None:
+def audit_kl(rows: list[dict[str, Any]]) -> str | None:
+    """trl's KL metric when it logs one (`beta` > 0), else None."""
+    return "kl" if any(isinstance(r.get("kl"), (int, float)) for r in rows) else None
+
+
+def overoptimisation(run: Run) -> audit.Audit | None:
     """The over-optimisation audit (`fitrl.reward.audit`) of the held-out accuracy readings beside the
-    training reward (against sqrt KL where trl logs one: `beta` > 0), its plot written into the output; the
-    saved policy nearest the peak among this run's checkpoints (every `save_steps`) and its output."""
+    training reward (against sqrt KL where trl logs one: `beta` > 0): the saved policy nearest the peak
+    among this run's checkpoints (every `save_steps`) and its output."""
     args = run.args
     if run.heldout_readings is None:
         return None
     guard = run.heldout_readings.guard
     rows, final = run.metrics.rows, run.trainer.state.global_step
-    kl = "kl" if any(isinstance(r.get("kl"), (int, float)) for r in rows) else None
+    kl = audit_kl(rows)
     readings = audit.readings(rows, guard.scores, "reward", kl)
     saved = audit.saved_policies(args.output_dir, STAGE.checkpoint_prefix, args.save_steps, final)
     command = (
@@ -280,12 +287,7 @@ def overoptimisation(run: Run) -> dict[str, Any] | None:
         f"--max_new_tokens {args.max_completion_length}"
     )
     gold = f"held-out accuracy (greedy, {len(run.heldout['prompt'])} problems)"
-    result = audit.audit(gold, readings, saved, final, args.output_dir, command)
-    if result is None:
-        return None
-    if run.is_main:
-        audit.plot(result, rows, "reward", kl, run.out / audit.PLOT)
-    return result.to_json()
+    return audit.audit(gold, readings, saved, final, args.output_dir, command)
 
 
 def log_repetition(completion_ids: list[list[int]], log_metric: Any, health: Health) -> None:

@@ -313,10 +313,10 @@ def train_step(run: Run) -> dict[str, Any]:
 # --- the end --------------------------------------------------------------------------------------
 
 
-def overoptimisation(run: Run) -> dict[str, Any] | None:
-    """The over-optimisation audit (`fitrl.reward.audit`) of the judge's readings, its plot written into the
-    output: the saved policy nearest the judge's peak, among this run's checkpoints (every `save_steps`)
-    and its output. None without a judge or with fewer than two readings."""
+def overoptimisation(run: Run) -> audit.Audit | None:
+    """The over-optimisation audit (`fitrl.reward.audit`) of the judge's readings: the saved policy nearest
+    the judge's peak, among this run's checkpoints (every `save_steps`) and its output. None without a
+    judge or with fewer than two readings."""
     if run.hacking is None:
         return None
     args, trainer = run.args, run.trainer
@@ -328,12 +328,7 @@ def overoptimisation(run: Run) -> dict[str, Any] | None:
         f"--judge_model {args.guard_judge_model} --judge_positive_label {args.guard_judge_positive_label}"
     )
     gold = f"judge's mean verdict ({args.guard_judge_model})"
-    result = audit.audit(gold, readings, saved, final, args.output_dir, command)
-    if result is None:
-        return None
-    if run.accelerator.is_main_process:
-        audit.plot(result, rows, metrics.REWARD_MEAN, metrics.KL, run.out / audit.PLOT)
-    return result.to_json()
+    return audit.audit(gold, readings, saved, final, args.output_dir, command)
 
 
 def finish(run: Run) -> None:
@@ -352,6 +347,8 @@ def finish(run: Run) -> None:
         run.hacking.finish()
     with run.health.timed():  # counted in guard_seconds with the guards' own work
         audited = overoptimisation(run)
+    if audited is not None and run.accelerator.is_main_process:  # a report figure, drawn (untimed) as the curves are
+        audit.plot(audited, trainer.state.metrics, metrics.REWARD_MEAN, metrics.KL, run.out / audit.PLOT)
     rows = trainer.state.metrics
     rewards = [r[metrics.REWARD_MEAN] for r in rows]
     start, end = start_end(rewards)  # the report's reading: means of the first and last few steps
@@ -380,7 +377,7 @@ def finish(run: Run) -> None:
             "frozen_base_digest": run.frozen_digest,
             "frozen_base_verified": run.frozen_digest is not None,
             **({probes.DETAILS_KEY: run.probes} if run.probes is not None else {}),
-            **({audit.DETAILS_KEY: audited} if audited is not None else {}),
+            **({audit.DETAILS_KEY: audited.to_json()} if audited is not None else {}),
         },
         samples=(
             STAGE.samples,
