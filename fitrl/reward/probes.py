@@ -30,6 +30,7 @@ over `MAX_CUT_SWING` of the median difference between two reference completions.
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Callable, Sequence
@@ -139,9 +140,9 @@ class Cut:
         return self.n >= 3 and 2 * self.n > self.of
 
     def to_json(self) -> dict[str, Any]:
-        swing = self.swing if self.swing != float("inf") else None
+        swing = None if math.isinf(self.swing) else round(self.swing, 4)  # JSON has no infinity
         return {"n": self.n, "of": self.of, "shift": round(self.shift, 4), "spread": round(self.spread, 4),
-                "swing": None if swing is None else round(swing, 4)}  # fmt: skip
+                "swing": swing}  # fmt: skip
 
 
 def _median_gap(values: Sequence[float]) -> float:
