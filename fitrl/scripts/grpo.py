@@ -69,7 +69,7 @@ from fitrl.reward import audit, probes
 from fitrl.reward.functions import Checked, format_only, reward_functions, trl_keywords
 from fitrl.rollout import complete_chats
 from fitrl.stages.grpo import REPETITION_KEY, STAGE, GRPOArguments, monitors
-from fitrl.tasks.answer_format import ensure_chat_template, render_prompt
+from fitrl.tasks.answer_format import asks_for_answer_block, ensure_chat_template, render_prompt
 from fitrl.tasks.grading import is_correct
 from fitrl.tasks.gsm8k import GSM8KDataArguments, add_prompts, load_problems
 
@@ -323,7 +323,7 @@ def reward_preflight(run: Run, model: Any) -> dict[str, Any] | None:
                     totals[j] += weight * (value or 0.0)
             return totals
 
-        answer_format = "<answer>" in (run.data_args.system_prompt or "")
+        answer_format = asks_for_answer_block(run.data_args.system_prompt)
         found = probes.run_probes(score, rows["question"], references, False, answer_format)
     probes.check_probes(found, health, args.guard_probe_max)
     return found.to_json()

@@ -59,6 +59,7 @@ from fitrl.reward.settings import RewardArguments
 from fitrl.rollout import decode, rendered_queries
 from fitrl.stages.base import start_end
 from fitrl.stages.ppo import STAGE, PPOArguments, monitors
+from fitrl.tasks.answer_format import asks_for_answer_block
 from fitrl.tasks.sentiment import PromptArguments, SentimentJudge, build_queries, check_judge
 
 
@@ -274,7 +275,7 @@ def reward_preflight(run: Run) -> dict[str, Any] | None:
             cols["completion_ids"] = [run.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
             return trainer.reward.score([read[i] for i in indices], texts, cols)[0].tolist()
 
-        answer_format = "<answer>" in (run.prompt_args.system_prompt or "")
+        answer_format = asks_for_answer_block(run.prompt_args.system_prompt)
         found = probes.run_probes(score, q_texts, r_texts, bool(run.reward_args.reward_adapter), answer_format)
     probes.check_probes(found, health, args.guard_probe_max)
     return found.to_json()

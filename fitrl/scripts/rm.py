@@ -21,6 +21,7 @@ accuracy, reward margins, per-pair rewards, calibration error), `rewards_hist.pn
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,6 @@ def calibration(pairs: list[dict[str, float]], bins: int = 10) -> tuple[list[tup
     matches how often the labelled text wins: each pair counted in both orders, grouped in `bins` by that
     probability. Per non-empty bin (mean probability, share won, pairs), and the expected calibration
     error (the bins' gaps weighted by their pairs)."""
-    import math
-
     seen = []
     for p in pairs:
         won = 1 / (1 + math.exp(-(p["chosen"] - p["rejected"])))

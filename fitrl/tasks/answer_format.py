@@ -28,6 +28,13 @@ PLAIN_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ 'Answer:\\n' }}{%- endif -%}"
 )
 
+
+def asks_for_answer_block(system_prompt: str | None) -> bool:
+    """Whether a system prompt asks for the format's `<answer>` block (its completions are answers in the
+    format, not prose: the reward pre-flight's format probes apply, its cut measure does not)."""
+    return FORMAT_TAGS[2] in (system_prompt or "")
+
+
 _CALCULATOR = re.compile(r"<<[^>]*>>")  # GSM8K's calculator annotations, e.g. <<14+11=25>>
 
 
